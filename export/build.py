@@ -1,0 +1,122 @@
+"""PyTorch side of the export: build a module from kind + hyperparameters, load a checkpoint,
+and write it to ONNX with the dynamic axes that `export.repository.signature` declares."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from export.errors import CheckpointError, ExportError
+from export.repository import signature
+from models import AdditiveAttention, DotProductAttention, MultiHeadAttention, SelfAttention
+
+__all__ = ["build_module", "export_onnx", "load_checkpoint", "make_inputs"]
+
+# Each export logs that torchvision's operators are skipped: true, and of no concern here.
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+# Sizes of the example inputs that the exporter traces with: distinct, and neither 0 nor 1,
+# so that torch.export cannot specialise an axis or mistake one axis for another.
+_EXAMPLE_SIZES = {"batch": 3, "n_q": 4, "n_k": 5, "n": 6, "d": 7, "value_size": 9}
+
+
+def build_module(kind: str, hp: dict[str, Any]) -> nn.Module:
+    """The module of `kind`, in eval mode (dropout off), seeded weights left to the caller."""
+    if kind == "dot_product":
+        module: nn.Module = DotProductAttention(dropout=0.0)
+    elif kind == "additive":
+        module = AdditiveAttention(hp["key_size"], hp["query_size"], hp["num_hiddens"], dropout=0.0)
+    elif kind == "multi_head":
+        module = MultiHeadAttention(
+            hp["key_size"], hp["query_size"], hp["value_size"], hp["num_hiddens"], hp["num_heads"],
+            dropout=0.0, bias=hp["bias"],
+        )
+    elif kind == "self_attention":
+        module = SelfAttention(hp["num_hiddens"], hp["num_heads"], dropout=0.0, max_len=hp["max_len"], bias=hp["bias"])
+    else:
+        raise ExportError(f"unknown kind {kind!r}")
+    return module.eval()
+
+
+def load_checkpoint(module: nn.Module, path: Path, description: str) -> None:
+    """Load a state_dict saved from the book's classes (or ours); every mismatch is named."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {path} not found") from e
+    except Exception as e:  # unpickling errors come in many types
+        raise CheckpointError(f"checkpoint {path} is not a readable state_dict: {e}") from e
+    if isinstance(state, nn.Module):
+        state = state.state_dict()
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"checkpoint {path} is not a state_dict (a mapping of names to tensors)")
+    expected = module.state_dict()
+    problems = []
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        problems.append("missing keys: " + ", ".join(missing))
+    if unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected))
+    for key in sorted(set(expected) & set(state)):
+        if tuple(state[key].shape) != tuple(expected[key].shape):
+            problems.append(
+                f"{key}: expected shape {tuple(expected[key].shape)}, checkpoint has {tuple(state[key].shape)}"
+            )
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit {description}: " + "; ".join(problems))
+    module.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+
+
+def make_inputs(kind: str, hp: dict[str, Any], sizes: dict[str, int], generator: torch.Generator) -> list[torch.Tensor]:
+    """Random float inputs of `kind`'s signature with the named axes set from `sizes`; valid
+    lengths are full (every key), the caller replaces them."""
+    inputs, _ = signature(kind, hp)
+    tensors = []
+    for spec in inputs:
+        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+        if spec.dtype == "int64":
+            n_k = sizes["n"] if kind == "self_attention" else sizes["n_k"]
+            tensors.append(torch.full(shape, n_k, dtype=torch.int64))
+        else:
+            tensors.append(torch.randn(*shape, generator=generator))
+    return tensors
+
+
+def export_onnx(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> int:
+    """Write `module` to `path` as one self-contained ONNX file; returns the opset."""
+    inputs, outputs = signature(kind, hp)
+    dims: dict[str, Any] = {}
+    for spec in inputs:
+        for name in spec.dynamic_axes.values():
+            if name not in dims:
+                top = hp["max_len"] if name == "n" else None
+                dims[name] = torch.export.Dim(name, max=top) if top else torch.export.Dim(name)
+    dynamic_shapes = tuple({axis: dims[name] for axis, name in spec.dynamic_axes.items()} for spec in inputs)
+    example = make_inputs(kind, hp, _EXAMPLE_SIZES, torch.Generator().manual_seed(0))
+    # The exporter narrates every step on stdout and warns about things that do not concern us
+    # (torchvision missing, axis renames); errors still raise.
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                module,
+                tuple(example),
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=[s.name for s in inputs],
+                output_names=[s.name for s in outputs],
+                verbose=False,
+            )
+        except Exception as e:
+            raise ExportError(f"torch.onnx.export failed for {kind}: {e}") from e
+    assert program is not None
+    program.save(str(path), external_data=False)
+    return max(op.version for op in program.model_proto.opset_import if op.domain in ("", "ai.onnx"))

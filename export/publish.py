@@ -1,0 +1,71 @@
+"""Export one model into the repository: build, (load checkpoint), export, validate, publish.
+
+Nothing is half-written: the graph is exported and validated in a hidden folder inside the
+repository and renamed into place only when every check passed; config.json is replaced
+atomically last, so the service only ever sees a complete, validated version.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from export.build import build_module, export_onnx, load_checkpoint
+from export.errors import ExportError
+from export.repository import MODEL_FILE, ModelConfig, sha256_of, write_config
+from export.validate import validate
+
+__all__ = ["export_model"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _describe(kind: str, hp: dict[str, Any]) -> str:
+    return f"{kind}(" + ", ".join(f"{k}={v}" for k, v in hp.items()) + ")"
+
+
+def _next_version(model_dir: Path) -> int:
+    versions = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()] if model_dir.exists() else []
+    return max(versions, default=0) + 1
+
+
+def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
+                 checkpoint: Path | None = None, seed: int = 0) -> ModelConfig:
+    """Publish `<repository>/<name>/<version>/model.onnx` and `config.json`; return the config.
+
+    Without a checkpoint the weights are seeded (`seed`), as for the default repository.
+    """
+    if not _NAME.match(name):
+        raise ExportError(f"model name {name!r} must be 1-64 letters, digits, '_', '-' or '.', not starting with a symbol")
+    torch.manual_seed(seed)
+    try:
+        module = build_module(kind, hp)
+    except ValueError as e:
+        raise ExportError(f"invalid hyperparameters for {kind}: {e}") from e
+    if checkpoint is not None:
+        load_checkpoint(module, checkpoint, _describe(kind, hp))
+
+    repository.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=repository, prefix=f".{name}."))
+    try:
+        model_path = staging / MODEL_FILE
+        opset = export_onnx(module, kind, hp, model_path)
+        validate(module, kind, hp, model_path)
+        model_dir = repository / name
+        model_dir.mkdir(exist_ok=True)
+        version = _next_version(model_dir)
+        config = ModelConfig.build(
+            name=name, kind=kind, version=version, hp=hp, opset=opset, sha256=sha256_of(model_path),
+            versions={"torch": torch.__version__, "onnx": onnx.__version__},
+        )
+        staging.rename(model_dir / str(version))
+        write_config(model_dir, config)
+        return config
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

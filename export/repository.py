@@ -1,0 +1,219 @@
+"""The model repository: the one contract between `export/` (writes it) and `service/` (reads it).
+
+Torch-free on purpose: the service imports this module and must not pull torch in.
+
+Layout::
+
+    <repository>/<name>/config.json           what the model is and how to call it
+    <repository>/<name>/<version>/model.onnx  one self-contained ONNX file
+
+Input and output names, dtypes and dynamic axes are declared once here, as data (`signature`),
+and used by the exporter (dynamic shapes), the validator and the service (start-up checks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CONFIG_FILE",
+    "KINDS",
+    "MODEL_FILE",
+    "ModelConfig",
+    "TensorSpec",
+    "default_hyperparameters",
+    "list_models",
+    "read_config",
+    "sha256_of",
+    "signature",
+    "valid_lens_2d",
+    "write_config",
+]
+
+CONFIG_FILE = "config.json"
+MODEL_FILE = "model.onnx"
+KINDS = ("dot_product", "additive", "multi_head", "self_attention")
+
+# The book's configurations: the default repository and the defaults of `--kind`.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dot_product": {},
+    "additive": {"key_size": 2, "query_size": 20, "num_hiddens": 8},
+    "multi_head": {
+        "key_size": 100,
+        "query_size": 100,
+        "value_size": 100,
+        "num_hiddens": 100,
+        "num_heads": 5,
+        "bias": False,
+    },
+    "self_attention": {"num_hiddens": 100, "num_heads": 5, "max_len": 1000, "bias": False},
+}
+
+
+def default_hyperparameters(kind: str) -> dict[str, Any]:
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return dict(_DEFAULTS[kind])
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output. `shape` holds ints for fixed axes and names for dynamic ones."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    @property
+    def dynamic_axes(self) -> dict[int, str]:
+        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str)}
+
+
+def signature(kind: str, hp: dict[str, Any]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs of the exported graph of `kind` with hyperparameters `hp`.
+
+    Valid lengths always enter as 2-D int64 `(batch, n_q)`; callers turn 1-D and absent ones
+    into that with `valid_lens_2d`. Feature sizes that no weight fixes stay dynamic.
+    """
+    f32, i64 = "float32", "int64"
+    if kind == "dot_product":
+        q_size: int | str = "d"
+        k_size: int | str = "d"
+        v_size: int | str = "value_size"
+        out_size: int | str = "value_size"
+    elif kind == "additive":
+        q_size, k_size, v_size = hp["query_size"], hp["key_size"], "value_size"
+        out_size = "value_size"
+    elif kind == "multi_head":
+        q_size, k_size, v_size = hp["query_size"], hp["key_size"], hp["value_size"]
+        out_size = hp["num_hiddens"]
+    elif kind == "self_attention":
+        d = hp["num_hiddens"]
+        inputs = [
+            TensorSpec("queries", f32, ("batch", "n", d)),
+            TensorSpec("valid_lens", i64, ("batch", "n")),
+        ]
+        outputs = [
+            TensorSpec("outputs", f32, ("batch", "n", d)),
+            TensorSpec("attention_weights", f32, ("batch", hp["num_heads"], "n", "n")),
+        ]
+        return inputs, outputs
+    else:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    inputs = [
+        TensorSpec("queries", f32, ("batch", "n_q", q_size)),
+        TensorSpec("keys", f32, ("batch", "n_k", k_size)),
+        TensorSpec("values", f32, ("batch", "n_k", v_size)),
+        TensorSpec("valid_lens", i64, ("batch", "n_q")),
+    ]
+    weights_shape: tuple[int | str, ...] = ("batch", "n_q", "n_k")
+    if kind == "multi_head":
+        weights_shape = ("batch", hp["num_heads"], "n_q", "n_k")
+    outputs = [
+        TensorSpec("outputs", f32, ("batch", "n_q", out_size)),
+        TensorSpec("attention_weights", f32, weights_shape),
+    ]
+    return inputs, outputs
+
+
+def valid_lens_2d(valid_lens: Any, batch: int, n_q: int, n_k: int) -> np.ndarray:
+    """The graph's `(batch, n_q)` int64 valid lengths from None, `(batch,)` or `(batch, n_q)`.
+
+    None means every key (n_k); a 1-D length applies to every query of its example.
+    """
+    if valid_lens is None:
+        return np.full((batch, n_q), n_k, dtype=np.int64)
+    lens = np.asarray(valid_lens, dtype=np.int64)
+    if lens.shape == (batch,):
+        return np.ascontiguousarray(np.broadcast_to(lens[:, None], (batch, n_q)))
+    if lens.shape == (batch, n_q):
+        return np.ascontiguousarray(lens)
+    raise ValueError(f"valid_lens must be (batch,) = ({batch},) or (batch, n_q) = ({batch}, {n_q}), got {lens.shape}")
+
+
+@dataclass
+class ModelConfig:
+    """`<name>/config.json`."""
+
+    name: str
+    kind: str
+    version: int
+    hyperparameters: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    dynamic_axes: dict[str, dict[str, str]]
+    opset: int
+    sha256: str
+    versions: dict[str, str] = field(default_factory=dict)  # torch, onnx, ... that made it
+    model_file: str = ""
+
+    @classmethod
+    def build(cls, name: str, kind: str, version: int, hp: dict[str, Any], opset: int,
+              sha256: str, versions: dict[str, str]) -> ModelConfig:
+        inputs, outputs = signature(kind, hp)
+        specs = inputs + outputs
+        return cls(
+            name=name,
+            kind=kind,
+            version=version,
+            hyperparameters=hp,
+            inputs=[_spec_dict(s) for s in inputs],
+            outputs=[_spec_dict(s) for s in outputs],
+            dynamic_axes={s.name: {str(i): d for i, d in s.dynamic_axes.items()} for s in specs},
+            opset=opset,
+            sha256=sha256,
+            versions=versions,
+            model_file=f"{version}/{MODEL_FILE}",
+        )
+
+    def input_specs(self) -> list[TensorSpec]:
+        return [TensorSpec(d["name"], d["dtype"], tuple(d["shape"])) for d in self.inputs]
+
+    def output_specs(self) -> list[TensorSpec]:
+        return [TensorSpec(d["name"], d["dtype"], tuple(d["shape"])) for d in self.outputs]
+
+
+def _spec_dict(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    with open(model_dir / CONFIG_FILE, encoding="utf-8") as f:
+        raw = json.load(f)
+    return ModelConfig(**raw)
+
+
+def write_config(model_dir: Path, config: ModelConfig) -> None:
+    """Atomically (write to a temporary file, then rename) so a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=model_dir, prefix=".config.", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(asdict(config), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, model_dir / CONFIG_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def list_models(repository: Path) -> list[Path]:
+    """Model folders of a repository (hidden folders are exports in progress)."""
+    return sorted(
+        p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / CONFIG_FILE).exists()
+    )

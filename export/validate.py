@@ -1,0 +1,118 @@
+"""Validate an exported graph before it is published: onnx.checker, then ONNX Runtime (CPU)
+against the PyTorch module on a sweep of shapes and valid lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from export.build import make_inputs
+from export.errors import ValidationError
+from export.repository import signature, valid_lens_2d
+
+__all__ = ["Case", "TOLERANCE", "sweep", "validate"]
+
+TOLERANCE = 1e-5  # absolute and relative, on outputs and weights
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of the sweep. `lens` is 'none', '1d' or '2d'; the sizes of axes that the
+    model fixes are ignored."""
+
+    batch: int
+    n_q: int
+    n_k: int
+    lens: str
+    d: int = 7
+    value_size: int = 9
+
+    def __str__(self) -> str:
+        return f"batch={self.batch} n_q={self.n_q} n_k={self.n_k} d={self.d} value_size={self.value_size} valid_lens={self.lens}"
+
+
+def sweep(kind: str, hp: dict[str, Any]) -> list[Case]:
+    """Batch 1 and several; n_q != n_k != batch; absent, 1-D and 2-D lengths (0 and full among
+    them); feature sizes other than the export example's."""
+    cases = [
+        Case(1, 1, 1, "none"),
+        Case(1, 4, 6, "1d"),
+        Case(2, 3, 5, "2d"),
+        Case(3, 5, 7, "2d", d=3, value_size=13),
+        Case(4, 2, 9, "1d", d=16, value_size=1),
+        Case(5, 7, 3, "none", d=2, value_size=4),
+        Case(6, 1, 11, "2d"),
+        Case(2, 8, 1, "1d"),
+    ]
+    if kind == "self_attention":
+        # One sequence axis: n_q == n_k; also the longest sequence the model accepts.
+        cases = [Case(c.batch, c.n_q, c.n_q, c.lens) for c in cases]
+        cases += [Case(2, 9, 9, "2d"), Case(1, hp["max_len"], hp["max_len"], "1d")]
+    return cases
+
+
+def _valid_lens(case: Case, n_k: int, rng: np.random.Generator) -> np.ndarray | None:
+    """Random lengths in [0, n_k + 1]: 0 (attend to nothing), n_k (all) and above it included."""
+    if case.lens == "none":
+        return None
+    shape = (case.batch,) if case.lens == "1d" else (case.batch, case.n_q)
+    lens = rng.integers(0, n_k + 2, size=shape)
+    flat = lens.reshape(-1)
+    flat[0] = 0
+    if flat.size > 1:
+        flat[-1] = n_k
+    return lens
+
+
+def _close(actual: np.ndarray, expected: np.ndarray) -> tuple[bool, float]:
+    if actual.shape != expected.shape:
+        return False, float("inf")
+    err = np.abs(actual - expected)
+    ok = bool(np.all(err <= TOLERANCE + TOLERANCE * np.abs(expected)))
+    return ok, float(err.max()) if err.size else 0.0
+
+
+def run_case(module: nn.Module, session: ort.InferenceSession, kind: str, hp: dict[str, Any], case: Case,
+             seed: int = 0) -> None:
+    """Raise ValidationError when ONNX Runtime and PyTorch disagree on `case`."""
+    inputs, outputs = signature(kind, hp)
+    sizes = {"batch": case.batch, "n_q": case.n_q, "n_k": case.n_k, "n": case.n_q, "d": case.d,
+             "value_size": case.value_size}
+    tensors = make_inputs(kind, hp, sizes, torch.Generator().manual_seed(seed))
+    floats = tensors[:-1]  # valid_lens comes last in every signature
+    lens = _valid_lens(case, case.n_k, np.random.default_rng(seed))
+    with torch.no_grad():
+        expected = module(*floats, None if lens is None else torch.from_numpy(lens))
+    feed = {spec.name: t.numpy() for spec, t in zip(inputs, floats, strict=False)}
+    feed["valid_lens"] = valid_lens_2d(lens, case.batch, case.n_q, case.n_k)
+    try:
+        actual = session.run([s.name for s in outputs], feed)
+    except Exception as e:
+        raise ValidationError(f"ONNX Runtime failed on case {case}: {e}") from e
+    for spec, got, want in zip(outputs, actual, expected, strict=True):
+        ok, err = _close(got, want.numpy())
+        if not ok:
+            raise ValidationError(
+                f"{spec.name} differs from PyTorch on case {case}: shape {got.shape} vs {tuple(want.shape)}, "
+                f"max abs error {err:.3g} (tolerance {TOLERANCE})"
+            )
+
+
+def validate(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> int:
+    """onnx.checker, then the sweep; returns the number of cases that passed."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:
+        raise ValidationError(f"onnx.checker rejected {path}: {e}") from e
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    cases = sweep(kind, hp)
+    for i, case in enumerate(cases):
+        run_case(module, session, kind, hp, case, seed=i)
+    return len(cases)
