@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Export attention modules to a validated ONNX model repository. "
         "Without --kind: the default repository (dot_product, additive, multi_head, self_attention).",
     )
-    p.add_argument("--repository", type=Path, default=Path("model_repository"), help="target folder (default: %(default)s)")
+    p.add_argument("--repository", type=Path, default=Path("model_repository"),
+                   help="target folder (default: %(default)s)")
     p.add_argument("--kind", choices=KINDS, help="export one model of this kind")
     p.add_argument("--name", help="its name in the repository (default: the kind)")
     p.add_argument("--checkpoint", type=Path, help="a state_dict (.pt) saved from the book's class or ours")

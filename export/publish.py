@@ -31,7 +31,9 @@ def _describe(kind: str, hp: dict[str, Any]) -> str:
 
 
 def _next_version(model_dir: Path) -> int:
-    versions = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()] if model_dir.exists() else []
+    if not model_dir.exists():
+        return 1
+    versions = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
     return max(versions, default=0) + 1
 
 
@@ -42,7 +44,8 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
     Without a checkpoint the weights are seeded (`seed`), as for the default repository.
     """
     if not _NAME.match(name):
-        raise ExportError(f"model name {name!r} must be 1-64 letters, digits, '_', '-' or '.', not starting with a symbol")
+        raise ExportError(f"model name {name!r} must be 1-64 letters, digits, '_', '-' or '.', "
+                          "starting with a letter or digit")
     torch.manual_seed(seed)
     try:
         module = build_module(kind, hp)

@@ -35,7 +35,8 @@ class Case:
     value_size: int = 9
 
     def __str__(self) -> str:
-        return f"batch={self.batch} n_q={self.n_q} n_k={self.n_k} d={self.d} value_size={self.value_size} valid_lens={self.lens}"
+        return (f"batch={self.batch} n_q={self.n_q} n_k={self.n_k} d={self.d} value_size={self.value_size} "
+                f"valid_lens={self.lens}")
 
 
 def sweep(kind: str, hp: dict[str, Any]) -> list[Case]:

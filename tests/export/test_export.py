@@ -1,0 +1,265 @@
+"""The exporter: the repository it writes, ONNX Runtime against PyTorch on many shapes, the
+checkpoint path, and that nothing half-made is ever published."""
+
+import json
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from export.build import build_module, export_onnx
+from export.cli import main
+from export.errors import ValidationError
+from export.repository import CONFIG_FILE, KINDS, default_hyperparameters, read_config, sha256_of
+from export.validate import Case, run_case, sweep, validate
+from models import masked_softmax
+from tests import book
+
+pytestmark = pytest.mark.slow
+
+
+def _session(path):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _default_module(kind):
+    torch.manual_seed(0)  # the exporter's default seed: the same weights as the exported model
+    return build_module(kind, default_hyperparameters(kind))
+
+
+def _entries(repo):
+    return sorted(p.name for p in repo.iterdir())
+
+
+# --- the default repository -----------------------------------------------------------------
+
+def test_default_repository_has_the_books_configurations(repository):
+    assert _entries(repository) == sorted(KINDS)
+    hp = {kind: read_config(repository / kind).hyperparameters for kind in KINDS}
+    assert hp["additive"] == {"key_size": 2, "query_size": 20, "num_hiddens": 8}
+    assert hp["multi_head"] == {"key_size": 100, "query_size": 100, "value_size": 100, "num_hiddens": 100,
+                                "num_heads": 5, "bias": False}
+    assert hp["self_attention"] == {"num_hiddens": 100, "num_heads": 5, "max_len": 1000, "bias": False}
+    assert hp["dot_product"] == {}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_describes_the_file(repository, kind):
+    config = read_config(repository / kind)
+    raw = json.loads((repository / kind / CONFIG_FILE).read_text())
+    model = repository / kind / config.model_file
+    assert config.model_file == "1/model.onnx" and model.is_file()
+    assert sha256_of(model) == config.sha256
+    assert raw["versions"]["torch"].startswith("2.13.0") and raw["versions"]["onnx"]
+    assert config.opset >= 18
+    session = _session(model)
+    # The session's own signature is the one config.json declares.
+    assert [(i.name, i.shape) for i in session.get_inputs()] == [(s["name"], s["shape"]) for s in config.inputs]
+    assert [(o.name, o.shape) for o in session.get_outputs()] == [(s["name"], s["shape"]) for s in config.outputs]
+    assert [i.type for i in session.get_inputs()][-1] == "tensor(int64)"
+
+
+def test_dynamic_axes_include_every_unfixed_feature_size(repository):
+    axes = {kind: read_config(repository / kind).dynamic_axes for kind in KINDS}
+    assert axes["dot_product"]["queries"] == {"0": "batch", "1": "n_q", "2": "d"}
+    assert axes["dot_product"]["keys"] == {"0": "batch", "1": "n_k", "2": "d"}
+    assert axes["dot_product"]["values"] == {"0": "batch", "1": "n_k", "2": "value_size"}
+    assert axes["additive"]["queries"] == {"0": "batch", "1": "n_q"}
+    assert axes["additive"]["values"] == {"0": "batch", "1": "n_k", "2": "value_size"}
+    assert axes["multi_head"]["attention_weights"] == {"0": "batch", "2": "n_q", "3": "n_k"}
+    assert axes["self_attention"]["queries"] == {"0": "batch", "1": "n"}
+
+
+# --- ONNX Runtime against PyTorch, on shapes the export never saw ----------------------------
+
+def _extra_cases(kind, count=12):
+    """Random shapes beyond the validator's sweep: batch, n_q, n_k, d and value size all vary."""
+    rng = np.random.default_rng(sum(map(ord, kind)))
+    cases = []
+    for i in range(count):
+        batch, n_q, n_k = (int(x) for x in rng.integers(1, 12, size=3))
+        if kind == "self_attention":
+            n_k = n_q
+        cases.append(Case(batch, n_q, n_k, ("none", "1d", "2d")[i % 3], d=int(rng.integers(1, 70)),
+                          value_size=int(rng.integers(1, 70))))
+    return cases
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_onnx_runtime_matches_pytorch_on_many_shapes(repository, kind):
+    hp = default_hyperparameters(kind)
+    module = _default_module(kind)
+    session = _session(repository / kind / read_config(repository / kind).model_file)
+    cases = sweep(kind, hp) + _extra_cases(kind)
+    assert len(cases) >= 20
+    for seed, case in enumerate(cases):
+        run_case(module, session, kind, hp, case, seed=seed)  # raises on any disagreement
+
+
+def test_run_case_detects_different_weights(repository):
+    # The comparison must be able to fail: another seed's weights disagree.
+    torch.manual_seed(1)
+    other = build_module("additive", default_hyperparameters("additive"))
+    session = _session(repository / "additive" / "1" / "model.onnx")
+    with pytest.raises(ValidationError, match="differs from PyTorch on case batch=2 n_q=3 n_k=5"):
+        run_case(other, session, "additive", default_hyperparameters("additive"), Case(2, 3, 5, "2d"))
+
+
+def test_exported_additive_reproduces_the_toy_example(repository):
+    session = _session(repository / "additive" / "1" / "model.onnx")
+    values = np.arange(40, dtype=np.float32).reshape(1, 10, 4).repeat(2, axis=0)
+    out, weights = session.run(None, {
+        "queries": np.random.default_rng(0).normal(size=(2, 1, 20)).astype(np.float32),
+        "keys": np.ones((2, 10, 2), np.float32),
+        "values": values,
+        "valid_lens": np.array([[2], [6]], dtype=np.int64),
+    })
+    np.testing.assert_allclose(out, [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-5)
+    np.testing.assert_allclose(weights[1, 0], [1 / 6] * 6 + [0] * 4, rtol=1e-5)
+    assert np.all(weights[0, 0, 2:] == 0)
+
+
+# --- the two traps: the validator catches them -----------------------------------------------
+
+class _FrozenScale(torch.nn.Module):
+    """Dot-product attention with the book's math.sqrt: the scale freezes to the example's d."""
+
+    def forward(self, queries, keys, values, valid_lens):
+        scores = torch.matmul(queries, keys.transpose(1, 2)) / math.sqrt(queries.shape[-1])
+        weights = masked_softmax(scores, valid_lens)
+        return torch.matmul(weights, values), weights
+
+
+class _RepeatInterleave(torch.nn.Module):
+    """Multi-head-style mask built with repeat_interleave over a symbolic count."""
+
+    def forward(self, queries, keys, values, valid_lens):
+        scores = torch.matmul(queries, keys.transpose(1, 2)) * torch.rsqrt(
+            torch.tensor(queries.shape[-1], dtype=queries.dtype))
+        if valid_lens is None:
+            valid_lens = torch.full(scores.shape[:1], scores.shape[-1])
+        lens = valid_lens if valid_lens.dim() == 1 else valid_lens[:, 0]  # (batch,)
+        lens = torch.repeat_interleave(lens, scores.shape[1])  # (batch * n_q,): the book's 1-D path
+        keep = torch.arange(scores.shape[-1])[None, :] < lens[:, None]
+        flat = scores.reshape(-1, scores.shape[-1]).masked_fill(~keep, -1e6)
+        weights = torch.softmax(flat.reshape(scores.shape), -1)
+        return torch.matmul(weights, values), weights
+
+
+@pytest.mark.parametrize("module, message", [
+    (_FrozenScale(), "on case batch=3 n_q=5 n_k=7 d=3"),  # the first case whose d is not 7
+    (_RepeatInterleave(), "on case"),
+])
+def test_validator_catches_the_known_export_traps(tmp_path, module, message):
+    path = tmp_path / "model.onnx"
+    try:
+        export_onnx(module.eval(), "dot_product", {}, path)
+    except Exception as e:  # an exporter that refuses the trap outright is also a catch
+        pytest.skip(f"exporter refused the trap itself: {e}")
+    with pytest.raises(ValidationError, match=message):
+        validate(module, "dot_product", {}, path)
+
+
+# --- a user's checkpoint --------------------------------------------------------------------
+
+def test_checkpoint_round_trip_additive(tmp_path):
+    torch.manual_seed(7)
+    theirs = book.AdditiveAttention(key_size=3, query_size=5, num_hiddens=7, dropout=0.1).eval()
+    ckpt = tmp_path / "additive.pt"
+    torch.save(theirs.state_dict(), ckpt)
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", "additive", "--name", "mine", "--checkpoint", str(ckpt),
+                 "--key-size", "3", "--query-size", "5", "--num-hiddens", "7"]) == 0
+    config = read_config(repo / "mine")
+    assert config.kind == "additive" and config.hyperparameters == {"key_size": 3, "query_size": 5, "num_hiddens": 7}
+    Q, K, V = torch.randn(4, 3, 5), torch.randn(4, 6, 3), torch.randn(4, 6, 2)
+    lens = torch.tensor([1, 6, 0, 3])
+    out, weights = _session(repo / "mine" / config.model_file).run(None, {
+        "queries": Q.numpy(), "keys": K.numpy(), "values": V.numpy(),
+        "valid_lens": lens[:, None].expand(4, 3).contiguous().numpy()})
+    expected = theirs(Q, K, V, lens).detach().numpy()
+    # Rows with a length are the book's; the length-0 example attends to nothing (ours: zeros).
+    np.testing.assert_allclose(out[[0, 1, 3]], expected[[0, 1, 3]], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights[[0, 1, 3]], theirs.attention_weights.detach().numpy()[[0, 1, 3]],
+                               rtol=1e-5, atol=1e-6)
+    assert np.all(out[2] == 0) and np.all(weights[2] == 0)
+
+
+def test_checkpoint_round_trip_multi_head_with_bias(tmp_path):
+    torch.manual_seed(3)
+    theirs = book.MultiHeadAttention(6, 4, 5, 12, 3, 0.5, bias=True).eval()
+    ckpt = tmp_path / "mha.pt"
+    torch.save(theirs.state_dict(), ckpt)
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", "multi_head", "--name", "mha", "--checkpoint", str(ckpt),
+                 "--key-size", "6", "--query-size", "4", "--value-size", "5", "--num-hiddens", "12",
+                 "--num-heads", "3", "--bias"]) == 0
+    config = read_config(repo / "mha")
+    Q, K, V = torch.randn(2, 5, 4), torch.randn(2, 8, 6), torch.randn(2, 8, 5)
+    lens = torch.tensor([[1, 2, 3, 8, 8], [4, 5, 6, 7, 8]])
+    out, weights = _session(repo / "mha" / config.model_file).run(None, {
+        "queries": Q.numpy(), "keys": K.numpy(), "values": V.numpy(), "valid_lens": lens.numpy()})
+    np.testing.assert_allclose(out, theirs(Q, K, V, lens).detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights.reshape(6, 5, 8), theirs.attention.attention_weights.detach().numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_mismatched_checkpoint_is_named_and_nothing_is_written(tmp_path, capsys):
+    state = book.AdditiveAttention(key_size=3, query_size=5, num_hiddens=7, dropout=0).state_dict()
+    state["extra.weight"] = torch.zeros(1)
+    del state["w_v.weight"]
+    ckpt = tmp_path / "bad.pt"
+    torch.save(state, ckpt)
+    repo = tmp_path / "repo"
+    code = main(["--repository", str(repo), "--kind", "additive", "--name", "mine", "--checkpoint", str(ckpt)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "missing keys: w_v.weight" in err
+    assert "unexpected keys: extra.weight" in err
+    assert "W_k.weight: expected shape (8, 2), checkpoint has (7, 3)" in err
+    assert "W_q.weight: expected shape (8, 20), checkpoint has (7, 5)" in err
+    assert "Traceback" not in err
+    assert not repo.exists() or _entries(repo) == []
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint", None])
+def test_unreadable_checkpoint_is_an_error(tmp_path, capsys, content):
+    ckpt = tmp_path / "c.pt"
+    if content is not None:
+        ckpt.write_bytes(content)
+    assert main(["--repository", str(tmp_path / "repo"), "--kind", "dot_product", "--checkpoint", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "error: checkpoint" in err and str(ckpt) in err
+
+
+def test_failed_validation_publishes_nothing(tmp_path, monkeypatch):
+    import export.publish as publish
+
+    monkeypatch.setattr(publish, "build_module", lambda kind, hp: _FrozenScale().eval())
+    repo = tmp_path / "repo"
+    with pytest.raises(ValidationError):
+        publish.export_model(repo, "dp", "dot_product", {})
+    assert _entries(repo) == []  # neither the model folder nor the hidden staging folder
+
+
+def test_re_export_adds_a_version(tmp_path):
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", "dot_product", "--name", "dp"]) == 0
+    assert main(["--repository", str(repo), "--kind", "dot_product", "--name", "dp"]) == 0
+    config = read_config(repo / "dp")
+    assert config.version == 2 and config.model_file == "2/model.onnx"
+    assert _entries(repo / "dp") == ["1", "2", CONFIG_FILE]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kind", "additive", "--num-heads", "2"], "--num-heads do(es) not apply to kind additive"),
+    (["--kind", "multi_head", "--num-hiddens", "10", "--num-heads", "3"], "multiple of num_heads"),
+    (["--kind", "dot_product", "--name", "../escape"], "model name '../escape'"),
+    (["--num-hiddens", "4"], "need --kind"),
+    (["--kind", "additive", "--key-size", "0"], "--key-size must be positive"),
+])
+def test_bad_arguments_are_refused(tmp_path, capsys, argv, message):
+    assert main(["--repository", str(tmp_path / "repo"), *argv]) == 1
+    assert message in capsys.readouterr().err
