@@ -1,0 +1,1 @@
+"""The HTTP service: FastAPI + ONNX Runtime over the model repository. Never imports torch."""

@@ -1,0 +1,66 @@
+"""`create_app(settings)`: the FastAPI app, wired in named steps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI
+
+from service.config import Settings, get_settings
+from service.dataplane import Dataplane
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.routes import attend, health, models
+from service.runtime import Registry
+
+log = logging.getLogger("service")
+
+
+def _lifespan(settings: Settings):
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Sessions are created (and warmed up) here, once, never at import time.
+        registry = await anyio.to_thread.run_sync(
+            lambda: Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
+                                  settings.cuda_tf32, settings.warmup))
+        app.state.registry = registry
+        app.state.dataplane = Dataplane(registry, app.state.metrics)
+        app.state.limiter = anyio.CapacityLimiter(settings.inference_threads)
+        app.state.ready = True
+        app.state.metrics.ready.set(1)
+        log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            app.state.metrics.ready.set(0)
+
+    return lifespan
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    app = FastAPI(
+        title="attend",
+        version="0.1.0",
+        description="The attention mechanisms of Dive into Deep Learning (masked softmax, additive, scaled "
+        "dot-product, multi-head and self-attention with sinusoidal positional encoding), served through "
+        "ONNX Runtime.",
+        lifespan=_lifespan(settings),
+    )
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.ready = False
+    install_error_handlers(app)
+    app.include_router(attend.router)
+    app.include_router(models.router)
+    app.include_router(health.router)
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """uvicorn's factory for worker processes: settings from the environment."""
+    return create_app(get_settings())

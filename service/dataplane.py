@@ -1,0 +1,45 @@
+"""The work of one request, with no HTTP in it: decode -> session run -> encode.
+
+It runs in a worker thread (never on the event loop): parsing a few MB of JSON and encoding
+the weights are CPU work, like the session run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import orjson
+
+from service.decode import decode, parse_json, resolve_model
+from service.errors import ServiceError
+from service.metrics import Metrics
+from service.runtime import LoadedModel, Registry
+
+_ORJSON = orjson.OPT_SERIALIZE_NUMPY
+
+
+class Dataplane:
+    def __init__(self, registry: Registry, metrics: Metrics):
+        self.registry = registry
+        self.metrics = metrics
+
+    def attend(self, body: bytes) -> tuple[str, bytes]:
+        """(model name, JSON response). Raises ServiceError subclasses for bad input, with
+        `.model` set to the model's name once it is known (for the metrics' label)."""
+        model: LoadedModel | None = None
+        try:
+            data = parse_json(body)
+            model = resolve_model(data, self.registry)
+            request = decode(data, model)
+        except ServiceError as e:
+            e.model = model.name if model else None
+            raise
+        start = time.perf_counter()
+        outputs, weights = model.run(request.feed)
+        self.metrics.inference.labels(model.name).observe(time.perf_counter() - start)
+        return model.name, encode(model.name, outputs, weights if request.return_weights else None)
+
+
+def encode(model: str, outputs: np.ndarray, weights: np.ndarray | None) -> bytes:
+    return orjson.dumps({"model": model, "outputs": outputs, "attention_weights": weights}, option=_ORJSON)

@@ -1,0 +1,175 @@
+"""JSON body -> validated NumPy arrays, without a nested-list pydantic model on the way.
+
+orjson parses the body; each array field becomes one NumPy array, checked for type, rank,
+emptiness and finiteness; the shapes are then checked together against the model's declared
+signature (`export.repository.signature`), naming the field, the expected and the received shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from export.repository import TensorSpec, valid_lens_2d
+from service.errors import InvalidJSON, InvalidRequest, InvalidShape, ModelNotFound
+from service.runtime import LoadedModel, Registry
+
+DEFAULT_MODEL = "dot_product"
+ARRAY_FIELDS = ("queries", "keys", "values")
+FIELDS = {"model", *ARRAY_FIELDS, "valid_lens", "return_weights"}
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass
+class Request:
+    model: LoadedModel
+    feed: dict[str, np.ndarray]  # the graph's inputs, valid_lens already 2-D int64
+    return_weights: bool
+
+
+def _numeric_array(value: Any, field: str) -> np.ndarray:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{field} must be a nested list of numbers, got {type(value).__name__}", field=field)
+    try:
+        arr = np.array(value)
+    except (ValueError, TypeError) as e:
+        # numpy names the inhomogeneous axis: "... after 1 dimensions. The detected shape was (2,) + ..."
+        raise InvalidShape(f"{field} is ragged: every row must have the same length ({e})", field=field) from e
+    if arr.dtype.kind not in "iuf":
+        if arr.dtype.kind == "O":
+            raise InvalidShape(f"{field} is ragged or holds non-numbers: every row must have the same length",
+                               field=field)
+        if arr.size == 0:
+            return arr.astype(np.float64)
+        what = {"b": "booleans", "U": "strings"}.get(arr.dtype.kind, str(arr.dtype))
+        raise InvalidRequest(f"{field} must contain only numbers, got {what}", field=field)
+    return arr
+
+
+def _float_array(value: Any, field: str, model: LoadedModel) -> np.ndarray:
+    arr = _numeric_array(value, field)
+    if arr.ndim != 3:
+        raise InvalidShape(f"{field} must be 3-D (batch, n, features), got {arr.ndim}-D", field=field,
+                           expected=_pattern(model, field), received=list(arr.shape))
+    if arr.size == 0:
+        raise InvalidShape(f"{field} must not be empty", field=field, expected=_pattern(model, field),
+                           received=list(arr.shape))
+    if arr.dtype.kind == "f" and not np.all(np.abs(arr) <= _F32_MAX):
+        raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
+    if arr.dtype.kind in "iu" and not np.all(np.abs(arr) <= _F32_MAX):
+        raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
+    spec = next(s for s in model.inputs() if s.name == field)
+    bound = bound or {}
+    return [bound.get(d, d) if isinstance(d, str) else d for d in spec.shape]
+
+
+def _bind(spec: TensorSpec, arr: np.ndarray, bound: dict[str, int], first_seen: dict[str, str],
+          model: LoadedModel) -> None:
+    """Match `arr.shape` to `spec.shape`: fixed sizes must be equal, a named axis takes the size
+    of its first occurrence (batch, n_k, d ...) and every later occurrence must agree."""
+    expected = _pattern(model, spec.name, bound)
+    for axis, (want, got) in enumerate(zip(spec.shape, arr.shape, strict=True)):
+        if isinstance(want, int):
+            if got != want:
+                raise InvalidShape(
+                    f"{spec.name} must have {want} features (axis {axis}) for model {model.name}, got {got}",
+                    field=spec.name, expected=expected, received=list(arr.shape))
+        elif want in bound:
+            if got != bound[want]:
+                other = first_seen[want]
+                raise InvalidShape(
+                    f"{spec.name} has {want} = {got} on axis {axis}, but {other} has {want} = {bound[want]}",
+                    field=spec.name, expected=expected, received=list(arr.shape))
+        else:
+            bound[want] = got
+            first_seen[want] = spec.name
+
+
+def _valid_lens(value: Any, batch: int, n_q: int, n_k: int) -> np.ndarray:
+    if value is None:
+        return valid_lens_2d(None, batch, n_q, n_k)
+    field = "valid_lens"
+    expected = f"null, [batch] = [{batch}] or [batch, n_q] = [{batch}, {n_q}]"
+    if not isinstance(value, list):
+        raise InvalidRequest(f"valid_lens must be null or a list of integers, got {type(value).__name__}",
+                             field=field, expected=expected)
+    arr = _numeric_array(value, field)
+    if arr.size and arr.dtype.kind == "f":
+        raise InvalidRequest("valid_lens must be integers", field=field, expected=expected)
+    if arr.shape not in ((batch,), (batch, n_q)):
+        raise InvalidShape(f"valid_lens must have shape (batch,) or (batch, n_q), got {arr.shape}", field=field,
+                           expected=expected, received=list(arr.shape))
+    if arr.size and (arr.min() < 0 or arr.max() > n_k):
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise InvalidRequest(f"valid_lens must be between 0 and n_k = {n_k}, got {bad}", field=field,
+                             expected=f"0 <= valid_len <= {n_k}", received=bad)
+    return valid_lens_2d(arr, batch, n_q, n_k)
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise InvalidJSON("the request body is empty; expected a JSON object")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidJSON(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise InvalidJSON(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}; expected: {', '.join(sorted(FIELDS))}",
+                             field=unknown[0])
+    name = data.get("model", DEFAULT_MODEL)
+    if not isinstance(name, str):
+        raise InvalidRequest(f"model must be a string, got {type(name).__name__}", field="model")
+    model = registry.get(name)
+    if model is None:
+        raise ModelNotFound(f"unknown model {name!r}; available: {', '.join(registry.names())}", field="model")
+    return model
+
+
+def decode(data: dict[str, Any], model: LoadedModel) -> Request:
+    """The request for `model` from the parsed JSON object `data`."""
+    return_weights = data.get("return_weights", True)
+    if not isinstance(return_weights, bool):
+        raise InvalidRequest(f"return_weights must be true or false, got {type(return_weights).__name__}",
+                             field="return_weights")
+
+    specs = [s for s in model.inputs() if s.name != "valid_lens"]
+    wanted = {s.name for s in specs}
+    for field in ARRAY_FIELDS:
+        if field in wanted and data.get(field) is None:
+            raise InvalidRequest(f"{field} is required for model {model.name}", field=field,
+                                 expected=_pattern(model, field))
+        if field not in wanted and data.get(field) is not None:
+            raise InvalidRequest(f"model {model.name} ({model.kind}) takes no {field}: its keys and values are "
+                                 "the queries", field=field)
+    bound: dict[str, int] = {}
+    first_seen: dict[str, str] = {}
+    feed: dict[str, np.ndarray] = {}
+    for spec in specs:
+        arr = _float_array(data[spec.name], spec.name, model)
+        _bind(spec, arr, bound, first_seen, model)
+        feed[spec.name] = arr
+
+    batch = bound["batch"]
+    n_q = bound.get("n_q", bound.get("n", 0))
+    n_k = bound.get("n_k", bound.get("n", 0))
+    max_len = model.config.hyperparameters.get("max_len")
+    if max_len is not None and n_q > max_len:
+        raise InvalidShape(f"queries is a sequence of {n_q} tokens, longer than the model's max_len {max_len}",
+                           field="queries", expected=[batch, f"n <= {max_len}", _pattern(model, "queries")[-1]],
+                           received=list(feed["queries"].shape))
+    feed["valid_lens"] = _valid_lens(data.get("valid_lens"), batch, n_q, n_k)
+    return Request(model=model, feed=feed, return_weights=return_weights)

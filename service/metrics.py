@@ -1,0 +1,22 @@
+"""Prometheus metrics, in a registry of the app's own (several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("attend_requests", "POST /attend requests by model and HTTP status",
+                                ["model", "status"], registry=self.registry)
+        self.latency = Histogram("attend_request_duration_seconds",
+                                 "Time from the body read to the response encoded, by model", ["model"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inference = Histogram("attend_inference_seconds", "Time inside ONNX Runtime's session run, by model",
+                                   ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("attend_requests_in_flight", "POST /attend requests being served",
+                               registry=self.registry)
+        self.ready = Gauge("attend_ready", "1 when every model is loaded and warmed up", registry=self.registry)

@@ -1,0 +1,79 @@
+"""POST /attend: thin; the work is service.dataplane's, in a worker thread."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service.errors import NotReady, PayloadTooLarge, ServiceError, UnsupportedMediaType
+from service.schemas import AttendRequest, AttendResponse, ErrorBody, toy_request
+
+router = APIRouter()
+
+_ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in {
+    400: "The body is not a JSON object",
+    404: "Unknown model",
+    413: "The body is larger than ATTEND_MAX_BODY_BYTES",
+    415: "Content-Type is not application/json",
+    422: "A field has the wrong type, shape or value; `field`, `expected` and `received` say which",
+    503: "Not ready (loading, or shutting down)",
+}.items()}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be larger than `limit`."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the body has {length} bytes; the limit is {limit}", expected=limit,
+                              received=int(length))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_media_type(request: Request) -> None:
+    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {media}",
+                                   expected="application/json", received=media)
+
+
+@router.post(
+    "/attend",
+    response_model=AttendResponse,
+    responses=_ERRORS,  # type: ignore[arg-type]
+    summary="Attention outputs and weights for queries, keys, values and valid lengths",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": AttendRequest.model_json_schema(),
+        "example": toy_request(),
+    }}}},
+)
+async def attend(request: Request) -> Response:
+    state = request.app.state
+    if not state.ready:
+        raise NotReady("the service is not ready", headers={"Retry-After": "1"})
+    start = time.perf_counter()
+    state.metrics.in_flight.inc()
+    model = "-"
+    try:
+        _check_media_type(request)
+        body = await read_body(request, state.settings.max_body_bytes)
+        model, content = await anyio.to_thread.run_sync(state.dataplane.attend, body, limiter=state.limiter)
+    except ServiceError as e:
+        state.metrics.requests.labels(e.model or model, str(e.status)).inc()
+        raise
+    except Exception:
+        state.metrics.requests.labels(model, "500").inc()
+        raise
+    finally:
+        state.metrics.in_flight.dec()
+    state.metrics.requests.labels(model, "200").inc()
+    state.metrics.latency.labels(model).observe(time.perf_counter() - start)
+    return Response(content, media_type="application/json")

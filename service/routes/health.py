@@ -1,0 +1,29 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.errors import NotReady
+
+router = APIRouter()
+
+
+@router.get("/health/live", summary="The process is up")
+async def live() -> dict[str, str]:
+    return {"status": "alive"}
+
+
+@router.get("/health/ready", summary="Every model is loaded and warmed up (503 until then, and while stopping)")
+async def ready(request: Request) -> dict[str, object]:
+    state = request.app.state
+    if not state.ready:
+        raise NotReady("not ready", headers={"Retry-After": "1"})
+    return {"status": "ready", "models": state.registry.names()}
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,200 @@
+"""ONNX Runtime sessions, one per model of the repository. Knows nothing of HTTP.
+
+A session is checked against its config.json (sha256 of the file, input and output names,
+dtypes and shapes) before it is used, and warmed up before the service reports ready.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from export.repository import ModelConfig, TensorSpec, list_models, read_config, sha256_of, valid_lens_2d
+
+log = logging.getLogger("service")
+
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+_ORT_TYPES = {"float32": "tensor(float)", "int64": "tensor(int64)"}
+
+
+class StartupError(RuntimeError):
+    """The service cannot start as configured; the message is the one-line reason."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    session: ort.InferenceSession
+    provider: str
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    def inputs(self) -> list[TensorSpec]:
+        return self.config.input_specs()
+
+    def run(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(outputs, attention_weights). Thread-safe: ORT allows concurrent Run on one session."""
+        outputs, weights = self.session.run(["outputs", "attention_weights"], feed)
+        return outputs, weights
+
+    def describe(self) -> dict[str, Any]:
+        hp = self.config.hyperparameters
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "version": self.config.version,
+            "provider": self.provider,
+            "hyperparameters": hp,
+            "feature_sizes": feature_sizes(self.config),
+            "inputs": self.config.inputs,
+            "outputs": self.config.outputs,
+            "dynamic_axes": self.config.dynamic_axes,
+            "max_len": hp.get("max_len"),
+            "opset": self.config.opset,
+            "sha256": self.config.sha256,
+        }
+
+
+def feature_sizes(config: ModelConfig) -> dict[str, Any]:
+    """What a client must send, per field: an int, or 'any' (with 'same as' constraints)."""
+    specs = {s.name: s for s in config.input_specs()}
+    out: dict[str, Any] = {}
+    for field in ("queries", "keys", "values"):
+        if field in specs:
+            size = specs[field].shape[-1]
+            out[field] = size if isinstance(size, int) else "any"
+    if config.kind == "dot_product":
+        out["constraint"] = "queries and keys have the same feature size"
+    return out
+
+
+def providers_for(device: str, cuda_tf32: bool) -> list[Any]:
+    cuda = (CUDA, {"use_tf32": "1" if cuda_tf32 else "0"})
+    if device == "cpu":
+        return [CPU]
+    if device == "cuda":
+        return [cuda]
+    return [cuda, CPU] if CUDA in ort.get_available_providers() else [CPU]
+
+
+def _preload_cuda() -> None:
+    # With onnxruntime-gpu[cuda,cudnn] the CUDA and cuDNN libraries are pip wheels (the `nvidia`
+    # namespace package); this loads them. Without them, CUDA may still come from the system.
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None and importlib.util.find_spec("nvidia") is not None:
+        try:
+            preload()
+        except Exception as e:  # a machine without the wheels: CUDA may still load from the system
+            log.debug("onnxruntime.preload_dlls failed: %s", e)
+
+
+def _check_signature(model: LoadedModel) -> None:
+    got_in = [(i.name, i.type, list(i.shape)) for i in model.session.get_inputs()]
+    want_in = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.input_specs()]
+    got_out = [(o.name, o.type, list(o.shape)) for o in model.session.get_outputs()]
+    want_out = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.output_specs()]
+    if got_in != want_in or got_out != want_out:
+        raise StartupError(
+            f"model {model.name}: the graph's inputs/outputs {got_in + got_out} do not match config.json "
+            f"{want_in + want_out}"
+        )
+
+
+def warm_up(model: LoadedModel) -> None:
+    """One run per model on small inputs, so the first client does not pay for allocation."""
+    sizes = {"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
+    rng = np.random.default_rng(0)
+    feed: dict[str, np.ndarray] = {}
+    for spec in model.inputs():
+        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+        if spec.dtype == "int64":
+            feed[spec.name] = valid_lens_2d(None, shape[0], shape[1], sizes["n"] if model.kind == "self_attention"
+                                            else sizes["n_k"])
+        else:
+            feed[spec.name] = rng.standard_normal(shape, dtype=np.float32)
+    model.run(feed)
+
+
+def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool) -> LoadedModel:
+    try:
+        config = read_config(model_dir)
+    except Exception as e:
+        raise StartupError(f"model {model_dir.name}: unreadable config.json: {e}") from e
+    path = model_dir / config.model_file
+    if not path.is_file():
+        raise StartupError(f"model {config.name}: {path} is missing")
+    digest = sha256_of(path)
+    if digest != config.sha256:
+        raise StartupError(f"model {config.name}: sha256 of {path} is {digest}, config.json says {config.sha256}")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as e:
+        raise StartupError(f"model {config.name}: ONNX Runtime cannot load {path}: {e}") from e
+    # ORT falls back to the CPU silently when CUDA cannot load: report what really runs.
+    provider = session.get_providers()[0]
+    if require_cuda and provider != CUDA:
+        raise StartupError(
+            f"ATTEND_DEVICE=cuda but model {config.name} runs on {provider}: CUDA could not be loaded "
+            f"(needs an NVIDIA GPU, CUDA 13 and cuDNN 9; available providers: {ort.get_available_providers()})"
+        )
+    model = LoadedModel(config=config, session=session, provider=provider, path=path)
+    _check_signature(model)
+    return model
+
+
+class Registry:
+    """Every model of the repository, by name."""
+
+    def __init__(self, models: dict[str, LoadedModel]):
+        self.models = models
+
+    def get(self, name: str) -> LoadedModel | None:
+        return self.models.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.models)
+
+    @classmethod
+    def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
+             warmup: bool = True) -> Registry:
+        if not repository.is_dir():
+            raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
+        dirs = list_models(repository)
+        if not dirs:
+            raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
+        if device != "cpu":
+            _preload_cuda()
+        providers = providers_for(device, cuda_tf32)
+        models = {}
+        for model_dir in dirs:
+            start = time.perf_counter()
+            model = load_model(model_dir, providers, intra_op_threads, require_cuda=device == "cuda")
+            if warmup:
+                warm_up(model)
+            models[model.name] = model
+            if device == "auto" and model.provider != CUDA and CUDA in str(providers):
+                # Tried once, fell back: spare the other models the same failed attempt (and its log).
+                log.warning("CUDA execution provider unavailable; every model runs on %s", model.provider)
+                providers = [CPU]
+            log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind,
+                     model.config.version, model.provider, time.perf_counter() - start)
+        return cls(models)
