@@ -1,0 +1,56 @@
+"""Start the real service process (`python -m service`) on a free port, for tests that talk HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_service(repository: Path, timeout: float = 60.0, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yield (base URL, process) once /health/ready answers 200; stop the process afterwards."""
+    port = free_port()
+    environ = os.environ | {"ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository),
+                            "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"} | env
+    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the service exited with {proc.returncode}: {proc.stderr.read()}")
+            try:
+                if httpx.get(f"{url}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the service did not become ready in time")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

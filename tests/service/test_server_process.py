@@ -1,0 +1,38 @@
+"""The real server process on a free port, over real HTTP."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from service.schemas import toy_request
+from tests.server import ROOT, running_service
+
+pytestmark = pytest.mark.slow
+
+
+def test_real_process_serves_the_toy_example(repository):
+    with running_service(repository) as (url, proc):
+        with httpx.Client(base_url=url, timeout=10) as http:
+            response = http.post("/attend", json=toy_request())
+            assert response.status_code == 200
+            np.testing.assert_allclose(response.json()["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
+            bad = http.post("/attend", json=toy_request() | {"valid_lens": [2, 11]})
+            assert bad.status_code == 422 and bad.json()["error"]["field"] == "valid_lens"
+            assert [m["provider"] for m in http.get("/models").json()["models"]] == ["CPUExecutionProvider"] * 4
+            assert "attend_requests_total" in http.get("/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn re-raises SIGTERM after a graceful shutdown: -15 here, 143 in a shell
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+
+
+def test_missing_repository_stops_the_process_with_the_reason(tmp_path):
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere"), "ATTEND_DEVICE": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0
+    assert f"model repository {tmp_path / 'nowhere'} does not exist" in result.stderr
