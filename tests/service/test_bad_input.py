@@ -9,7 +9,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.config import Settings
 from service.schemas import toy_request
 
 TOY = toy_request()  # additive: queries (2, 1, 20), keys (2, 10, 2), values (2, 10, 4), valid_lens [2, 6]
