@@ -12,10 +12,8 @@ export: install  ## (re)export the default repository
 $(REPOSITORY):
 	$(PYTHON) -m export --repository $(REPOSITORY)
 
-serve: install $(REPOSITORY)  ## install, export the default repository if absent, serve it
-	@if $(PYTHON) -c 'import service.__main__' 2>/dev/null; then \
-		ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PYTHON) -m service; \
-	else echo "exported $(REPOSITORY); the service is not built yet"; fi
+serve: install $(REPOSITORY)  ## install, export the default repository if absent, serve it on :8000
+	ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PYTHON) -m service
 
 test: install  ## the whole suite, as CI runs it
 	$(PYTHON) -m ruff check models export service tests

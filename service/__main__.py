@@ -1,27 +1,40 @@
-"""`python -m service`: uvicorn with the settings of the environment (ATTEND_*)."""
+"""`python -m service`: uvicorn with the settings of the environment (ATTEND_*).
+
+The models are loaded before uvicorn starts, so a repository that cannot be served stops the
+process with a one-line reason and exit code 1, before any port is open.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
+from service.app import create_app, load_registry
 from service.config import get_settings
+from service.runtime import StartupError
+
+log = logging.getLogger("service")
 
 
-def main() -> None:
+def main() -> int:
     settings = get_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        "service.app:create_app_from_env",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        log_level=settings.log_level,
-        # Settings changes need a restart; no reload watcher in a service.
-    )
+    try:
+        registry = load_registry(settings)
+    except StartupError as e:
+        log.critical("cannot start: %s", e)
+        return 1
+    common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level}
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings, registry), **common)
+    else:
+        # Each worker process loads its own sessions; the load above was the check.
+        del registry
+        uvicorn.run("service.app:create_app_from_env", factory=True, workers=settings.workers, **common)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,13 +19,17 @@ from service.runtime import Registry
 log = logging.getLogger("service")
 
 
-def _lifespan(settings: Settings):
+def load_registry(settings: Settings) -> Registry:
+    return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
+                         settings.cuda_tf32, settings.warmup)
+
+
+def _lifespan(settings: Settings, preloaded: Registry | None):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Sessions are created (and warmed up) here, once, never at import time.
-        registry = await anyio.to_thread.run_sync(
-            lambda: Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
-                                  settings.cuda_tf32, settings.warmup))
+        # Sessions are created (and warmed up) here, once, never at import time, unless the
+        # caller loaded them already (python -m service does, to fail fast with one line).
+        registry = preloaded or await anyio.to_thread.run_sync(load_registry, settings)
         app.state.registry = registry
         app.state.dataplane = Dataplane(registry, app.state.metrics)
         app.state.limiter = anyio.CapacityLimiter(settings.inference_threads)
@@ -41,7 +45,8 @@ def _lifespan(settings: Settings):
     return lifespan
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:
+    """The app; it loads the repository in its lifespan, or serves `registry` if given."""
     settings = settings or get_settings()
     app = FastAPI(
         title="attend",
@@ -49,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="The attention mechanisms of Dive into Deep Learning (masked softmax, additive, scaled "
         "dot-product, multi-head and self-attention with sinusoidal positional encoding), served through "
         "ONNX Runtime.",
-        lifespan=_lifespan(settings),
+        lifespan=_lifespan(settings, registry),
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
