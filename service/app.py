@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
+from service.batching import Scheduler
 from service.config import Settings, get_settings
 from service.dataplane import Dataplane
 from service.errors import install_error_handlers
@@ -33,6 +34,10 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         app.state.registry = registry
         app.state.dataplane = Dataplane(registry, app.state.metrics)
         app.state.limiter = anyio.CapacityLimiter(settings.inference_threads)
+        scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(),
+                              settings.inference_threads, app.state.metrics)
+        scheduler.start()
+        app.state.scheduler = scheduler
         app.state.ready = True
         app.state.metrics.ready.set(1)
         log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
@@ -41,6 +46,7 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         finally:
             app.state.ready = False
             app.state.metrics.ready.set(0)
+            await scheduler.stop()
 
     return lifespan
 

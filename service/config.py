@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.batching import BatchLimits
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ATTEND_", extra="ignore")
@@ -30,6 +32,22 @@ class Settings(BaseSettings):
     warmup: bool = True
 
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+
+    # Dynamic batching (service.batching) and backpressure.
+    batching: bool = True
+    max_batch_rows: int = Field(64, ge=1)
+    max_batch_elements: int = Field(4 * 1024 * 1024, ge=1, description="padded rows * heads * n_q * n_k")
+    max_batch_wait_us: int = Field(0, ge=0, description="how long a batch's first request waits for others")
+    max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
+    request_timeout_s: float = Field(30.0, gt=0, description="deadline, queue time included; "
+                                     "a client may shorten it with X-Request-Timeout-Ms")
+    # Bodies smaller than this are decoded on the event loop: a thread hop costs more than the parse.
+    inline_decode_bytes: int = Field(16 * 1024, ge=0)
+
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(enabled=self.batching, max_rows=self.max_batch_rows,
+                           max_elements=self.max_batch_elements, max_wait_s=self.max_batch_wait_us / 1e6,
+                           max_queue=self.max_queue)
 
     def resolved_intra_op_threads(self) -> int:
         if self.intra_op_threads:

@@ -1,7 +1,8 @@
 """The work of one request, with no HTTP in it: decode -> session run -> encode.
 
-It runs in a worker thread (never on the event loop): parsing a few MB of JSON and encoding
-the weights are CPU work, like the session run.
+The HTTP route decodes here and queues the request for `service.batching`, which runs and
+encodes it (merged with others) in a worker thread. `attend` does the three steps in a row, for
+the in-process benchmark and for callers without a queue.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import orjson
 
-from service.decode import decode, parse_json, resolve_model
+from service.decode import Request, decode, parse_json, resolve_model
 from service.errors import ServiceError
 from service.metrics import Metrics
 from service.runtime import LoadedModel, Registry
@@ -24,21 +25,26 @@ class Dataplane:
         self.registry = registry
         self.metrics = metrics
 
-    def attend(self, body: bytes) -> tuple[str, bytes]:
-        """(model name, JSON response). Raises ServiceError subclasses for bad input, with
-        `.model` set to the model's name once it is known (for the metrics' label)."""
+    def decode(self, body: bytes) -> Request:
+        """Raises ServiceError subclasses for bad input, with `.model` set to the model's name
+        once it is known (for the metrics' label)."""
         model: LoadedModel | None = None
         try:
             data = parse_json(body)
             model = resolve_model(data, self.registry)
-            request = decode(data, model)
+            return decode(data, model)
         except ServiceError as e:
             e.model = model.name if model else None
             raise
+
+    def attend(self, body: bytes) -> bytes:
+        """Decode, run and encode one request, in the calling thread."""
+        request = self.decode(body)
+        model = request.model
         start = time.perf_counter()
         outputs, weights = model.run(request.feed)
         self.metrics.inference.labels(model.name).observe(time.perf_counter() - start)
-        return model.name, encode(model.name, outputs, weights if request.return_weights else None)
+        return encode(model.name, outputs, weights if request.return_weights else None)
 
 
 def encode(model: str, outputs: np.ndarray, weights: np.ndarray | None) -> bytes:

@@ -19,4 +19,15 @@ class Metrics:
                                    ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.in_flight = Gauge("attend_requests_in_flight", "POST /attend requests being served",
                                registry=self.registry)
+        self.queue_depth = Gauge("attend_queue_depth", "Requests waiting for a batch (all models)",
+                                 registry=self.registry)
+        self.queue_time = Histogram("attend_queue_seconds", "Time a request waited in the queue, by model", ["model"],
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_requests = Histogram("attend_batch_requests", "Requests merged into one session run, by model",
+                                        ["model"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+                                        registry=self.registry)
+        self.batch_rows = Histogram("attend_batch_rows", "Rows (sum of batch sizes) of one session run, by model",
+                                    ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
+        self.rejected = Counter("attend_rejected", "Requests refused with 503 because the queue was full, by model",
+                                ["model"], registry=self.registry)
         self.ready = Gauge("attend_ready", "1 when every model is loaded and warmed up", registry=self.registry)

@@ -8,7 +8,8 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import NotReady, PayloadTooLarge, ServiceError, UnsupportedMediaType
+from service.batching import Job
+from service.errors import InvalidRequest, NotReady, PayloadTooLarge, ServiceError, UnsupportedMediaType
 from service.schemas import AttendRequest, AttendResponse, ErrorBody, toy_request
 
 router = APIRouter()
@@ -19,7 +20,8 @@ _ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in
     413: "The body is larger than ATTEND_MAX_BODY_BYTES",
     415: "Content-Type is not application/json",
     422: "A field has the wrong type, shape or value; `field`, `expected` and `received` say which",
-    503: "Not ready (loading, or shutting down)",
+    503: "Not ready (loading, or shutting down), or overloaded (the queue is full; see Retry-After)",
+    504: "The deadline (ATTEND_REQUEST_TIMEOUT_S, or X-Request-Timeout-Ms) passed before the request ran",
 }.items()}
 
 
@@ -45,6 +47,18 @@ def _check_media_type(request: Request) -> None:
                                    expected="application/json", received=media)
 
 
+def _deadline(request: Request, default_s: float) -> float:
+    timeout = default_s
+    header = request.headers.get("x-request-timeout-ms")
+    if header is not None:
+        try:
+            timeout = min(timeout, float(header) / 1000)
+        except ValueError:
+            raise InvalidRequest("X-Request-Timeout-Ms must be a number of milliseconds", field="X-Request-Timeout-Ms",
+                                 received=header) from None
+    return time.monotonic() + timeout
+
+
 @router.post(
     "/attend",
     response_model=AttendResponse,
@@ -59,13 +73,20 @@ async def attend(request: Request) -> Response:
     state = request.app.state
     if not state.ready:
         raise NotReady("the service is not ready", headers={"Retry-After": "1"})
+    settings = state.settings
     start = time.perf_counter()
     state.metrics.in_flight.inc()
     model = "-"
     try:
         _check_media_type(request)
-        body = await read_body(request, state.settings.max_body_bytes)
-        model, content = await anyio.to_thread.run_sync(state.dataplane.attend, body, limiter=state.limiter)
+        deadline = _deadline(request, settings.request_timeout_s)
+        body = await read_body(request, settings.max_body_bytes)
+        if len(body) <= settings.inline_decode_bytes:
+            decoded = state.dataplane.decode(body)
+        else:
+            decoded = await anyio.to_thread.run_sync(state.dataplane.decode, body, limiter=state.limiter)
+        model = decoded.model.name
+        content = await state.scheduler.submit(Job(decoded, deadline, request.is_disconnected))
     except ServiceError as e:
         state.metrics.requests.labels(e.model or model, str(e.status)).inc()
         raise

@@ -1,0 +1,263 @@
+"""Dynamic batching is exact; the queue is bounded; deadlines and gone clients are honoured."""
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.batching import (
+    BatchLimits,
+    ClientGone,
+    DeadlineExceeded,
+    Job,
+    Overloaded,
+    Scheduler,
+    bucket,
+    merge,
+    run_batch,
+)
+from service.dataplane import Dataplane
+from service.metrics import Metrics
+from service.runtime import Registry
+from service.schemas import toy_request
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def registry(repository):
+    return Registry.load(repository, "cpu", 1)
+
+
+@pytest.fixture(scope="module")
+def dataplane(registry):
+    return Dataplane(registry, Metrics())
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def _lens(rng, form, batch, n_q, n_k):
+    if form == "absent":
+        return None
+    shape = (batch,) if form == "1d" else (batch, n_q)
+    return rng.integers(0, n_k + 1, size=shape).tolist()
+
+
+def make_body(kind, rng, batch, n_q, n_k, form, d=None):
+    def arr(*shape):
+        return rng.normal(size=shape).round(5).tolist()
+
+    if kind == "self_attention":
+        body = {"model": kind, "queries": arr(batch, n_q, 100)}
+        n_k = n_q
+    elif kind == "multi_head":
+        body = {"model": kind, "queries": arr(batch, n_q, 100), "keys": arr(batch, n_k, 100),
+                "values": arr(batch, n_k, 100)}
+    elif kind == "additive":
+        body = {"model": kind, "queries": arr(batch, n_q, 20), "keys": arr(batch, n_k, 2),
+                "values": arr(batch, n_k, 3)}
+    else:
+        d = d or 4
+        body = {"model": kind, "queries": arr(batch, n_q, d), "keys": arr(batch, n_k, d), "values": arr(batch, n_k, 5)}
+    lens = _lens(rng, form, batch, n_q, n_k)
+    if lens is not None:
+        body["valid_lens"] = lens
+    return json.dumps(body).encode()
+
+
+def mixed_bodies(kind, count, seed=0):
+    """Different batch sizes, n_q and n_k (within one length bucket and across), every lens form."""
+    rng = np.random.default_rng(seed)
+    forms = ["absent", "1d", "2d"]
+    return [make_body(kind, rng, int(rng.integers(1, 4)), int(rng.integers(1, 9)), int(rng.integers(1, 9)),
+                      forms[i % 3]) for i in range(count)]
+
+
+def assert_same(batched: bytes, single: bytes):
+    got, want = orjson.loads(batched), orjson.loads(single)
+    assert got["model"] == want["model"]
+    for key in ("outputs", "attention_weights"):
+        a, b = np.array(got[key]), np.array(want[key])
+        assert a.shape == b.shape, key
+        np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+        if key == "attention_weights":
+            assert np.array_equal(a == 0, b == 0)  # exactly the same masked keys
+
+
+# --- merge and slice: exact ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["dot_product", "additive", "multi_head", "self_attention"])
+def test_one_merged_run_equals_separate_runs(dataplane, kind):
+    bodies = mixed_bodies(kind, 12, seed=len(kind))
+    requests = [dataplane.decode(b) for b in bodies]
+    jobs = [Job(r, deadline=float("inf"), future=None) for r in requests]
+    feed = merge(requests[0].model, jobs)
+    assert feed["valid_lens"].shape[0] == sum(j.rows for j in jobs)  # really one run for all
+    batched = run_batch(requests[0].model, jobs, Metrics())
+    for body, result in zip(bodies, batched, strict=True):
+        assert_same(result, dataplane.attend(body))
+
+
+def test_merged_weights_are_exactly_zero_on_padding(dataplane):
+    rng = np.random.default_rng(3)
+    short = dataplane.decode(make_body("dot_product", rng, 1, 2, 3, "absent"))
+    long = dataplane.decode(make_body("dot_product", rng, 1, 7, 8, "absent"))
+    jobs = [Job(short, float("inf"), future=None), Job(long, float("inf"), future=None)]
+    feed = merge(short.model, jobs)
+    outputs, weights = short.model.run(feed)
+    assert weights.shape == (2, 7, 8)
+    assert np.all(weights[0, :, 3:] == 0)  # the short request's padded keys
+    assert np.all(weights[0, 2:] == 0) and np.all(outputs[0, 2:] == 0)  # its padded queries
+
+
+def test_jobs_group_by_feature_size_and_length_bucket(dataplane):
+    rng = np.random.default_rng(0)
+
+    def key(**kw):
+        args = {"batch": 1, "n_q": 2, "n_k": 3, "form": "absent"} | kw
+        return Job(dataplane.decode(make_body("dot_product", rng, **args)), 0.0, future=None).key()
+
+    assert key() == key(n_k=4, batch=3)
+    assert key() != key(d=7)  # dot_product: other feature sizes, other batches
+    assert key() != key(n_k=9)  # another length bucket
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 128, 129)] == [1, 2, 4, 4, 8, 128, 256]
+
+
+# --- the scheduler: queue bound, deadlines, gone clients, limits ------------------------------
+
+def _job(dataplane, body=None, timeout=5.0, disconnected=None):
+    body = body or json.dumps(toy_request()).encode()
+    return Job(dataplane.decode(body), time.monotonic() + timeout, disconnected)
+
+
+@pytest.mark.anyio
+async def test_full_queue_refuses_at_once_with_retry_after(registry, dataplane):
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_queue=2), 1, Metrics())
+    scheduler.start()
+    await scheduler.slots.acquire()  # the only inference slot is busy: requests wait in the queue
+    waiting = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert waiting[2].done()
+    with pytest.raises(Overloaded) as refused:
+        waiting[2].result()
+    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+    scheduler.slots.release()
+    results = await asyncio.gather(*waiting[:2])
+    assert all(orjson.loads(r)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]] for r in results)
+    assert scheduler.queued == 0
+    await scheduler.stop()
+
+
+@pytest.mark.anyio
+async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(registry, dataplane):
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(), 1, metrics)
+    scheduler.start()
+    await scheduler.slots.acquire()
+    start = time.monotonic()
+    late = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=0.05)))
+    patient = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=5)))
+    with pytest.raises(DeadlineExceeded):
+        await late
+    assert time.monotonic() - start < 1.0  # answered at its deadline, not when a slot frees
+    scheduler.slots.release()
+    assert orjson.loads(await patient)["model"] == "additive"
+    # Only the patient request ran.
+    assert metrics.batch_requests.labels("additive")._sum.get() == 1
+    await scheduler.stop()
+
+
+@pytest.mark.anyio
+async def test_gone_client_is_dropped_before_its_batch_runs(registry, dataplane):
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(), 1, metrics)
+    scheduler.start()
+    await scheduler.slots.acquire()
+
+    async def gone():
+        return True
+
+    job = _job(dataplane, disconnected=gone)
+    task = asyncio.create_task(scheduler.submit(job))
+    await asyncio.sleep(0.01)
+    scheduler.slots.release()
+    with pytest.raises(ClientGone):
+        await task
+    assert metrics.batch_requests.labels("additive")._sum.get() == 0
+    await scheduler.stop()
+
+
+@pytest.mark.anyio
+async def test_batches_respect_row_and_element_limits(registry, dataplane):
+    rng = np.random.default_rng(0)
+    bodies = [make_body("dot_product", rng, 2, 3, 3, "absent") for _ in range(5)]
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_rows=4), 1, metrics)
+    scheduler.start()
+    await scheduler.slots.acquire()
+    tasks = [asyncio.create_task(scheduler.submit(_job(dataplane, b))) for b in bodies]
+    await asyncio.sleep(0.01)
+    scheduler.slots.release()
+    results = await asyncio.gather(*tasks)
+    for body, result in zip(bodies, results, strict=True):
+        assert_same(result, dataplane.attend(body))
+    rows = metrics.batch_rows.labels("dot_product")
+    assert rows._sum.get() == 10
+    # 2 + 2 rows, 2 + 2 rows, 2 rows: three runs of at most max_rows
+    assert metrics.batch_requests.labels("dot_product")._sum.get() == 5
+    assert sum(b.get() for b in metrics.batch_requests.labels("dot_product")._buckets) == 3
+    await scheduler.stop()
+
+
+@pytest.mark.anyio
+async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(enabled=False), 1, metrics)
+    scheduler.start()
+    await scheduler.slots.acquire()
+    tasks = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    scheduler.slots.release()
+    await asyncio.gather(*tasks)
+    assert sum(b.get() for b in metrics.batch_requests.labels("additive")._buckets) == 4
+    await scheduler.stop()
+
+
+# --- over HTTP: many different concurrent requests, each equal to its own unbatched answer ----
+
+def test_concurrent_requests_are_merged_and_each_gets_its_own_answer(settings, dataplane):
+    wait = settings.model_copy(update={"max_batch_wait_us": 20_000, "inference_threads": 1})
+    bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention")
+              for b in mixed_bodies(kind, 10, seed=7)]
+    with TestClient(create_app(wait)) as client:
+        def send(body):
+            return client.post("/attend", content=body, headers={"content-type": "application/json"})
+
+        with ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(send, bodies))
+        metrics = client.get("/metrics").text
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.status_code == 200, response.text
+        assert_same(response.content, dataplane.attend(body))
+    # Some session runs really merged several requests.
+    runs = sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("attend_batch_requests_count"))
+    assert runs < len(bodies)
+
+
+def test_timeout_header_shortens_the_deadline(client):
+    response = client.post("/attend", json=toy_request(), headers={"X-Request-Timeout-Ms": "0"})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    response = client.post("/attend", json=toy_request(), headers={"X-Request-Timeout-Ms": "soon"})
+    assert response.status_code == 422 and response.json()["error"]["field"] == "X-Request-Timeout-Ms"
+    assert client.post("/attend", json=toy_request(), headers={"X-Request-Timeout-Ms": "5000"}).status_code == 200
