@@ -1,0 +1,192 @@
+"""Benchmark: the service over HTTP (wrk, a separate process on another core) against the same
+work done in-process (JSON decode + session run + JSON encode, no HTTP), batching on and off.
+
+    python bench/run.py [--duration 10] [--out docs/benchmarks.md]      (make bench)
+
+Prints a markdown table: requests/s, p50 and p99 latency, and each row's throughput as a ratio of
+the in-process limit. The server is pinned to core 0 with one ONNX Runtime thread, wrk to core 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.dataplane import Dataplane  # noqa: E402
+from service.metrics import Metrics  # noqa: E402
+from service.runtime import Registry  # noqa: E402
+from service.schemas import toy_request  # noqa: E402
+
+SERVER_CPU, LOAD_CPU = 0, 1
+
+
+def workloads() -> dict[str, tuple[str, dict]]:
+    rng = np.random.default_rng(0)
+    X = np.ones((2, 4, 100))
+    w2 = {
+        "model": "dot_product",
+        "queries": rng.normal(size=(8, 128, 64)).astype(np.float32).tolist(),
+        "keys": rng.normal(size=(8, 128, 64)).astype(np.float32).tolist(),
+        "values": rng.normal(size=(8, 128, 64)).astype(np.float32).tolist(),
+        "valid_lens": rng.integers(1, 129, size=8).tolist(),
+    }
+    return {
+        "W1": ("additive, the book's toy request (2 x 1 x 20 queries, 2 x 10 keys)", toy_request()),
+        "W2": ("dot_product, 8 x 128 queries x 128 keys x 64 features, random 1-D valid lengths", w2),
+        "W3": ("multi_head, the book's example (2 x 4 x 100, valid lengths [3, 2])",
+               {"model": "multi_head", "queries": (X[:, :4]).tolist(), "keys": np.ones((2, 6, 100)).tolist(),
+                "values": np.ones((2, 6, 100)).tolist(), "valid_lens": [3, 2]}),
+    }
+
+
+def in_process(repository: Path, bodies: dict[str, bytes], seconds: float) -> dict[str, dict]:
+    """Decode + run + encode in this process, one core, one ORT thread: the limit."""
+    os.sched_setaffinity(0, {SERVER_CPU})
+    dataplane = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
+    results = {}
+    for name, body in bodies.items():
+        for _ in range(20):
+            dataplane.attend(body)
+        latencies = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            dataplane.attend(body)
+            latencies.append(time.perf_counter() - start)
+        latencies.sort()
+        results[name] = {"rps": len(latencies) / sum(latencies), "p50_ms": 1e3 * statistics.median(latencies),
+                         "p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))]}
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return results
+
+
+def start_service(repository: Path, port: int, batching: bool) -> subprocess.Popen:
+    env = os.environ | {
+        "ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu",
+        "ATTEND_LOG_LEVEL": "warning", "ATTEND_INTRA_OP_THREADS": "1", "ATTEND_BATCHING": str(batching).lower(),
+    }
+    proc = subprocess.Popen(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "service"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("service not ready in 60 s")
+
+
+def wrk(port: int, body_file: Path, connections: int, seconds: float) -> dict:
+    cmd = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
+           "-s", str(ROOT / "bench" / "post.lua"), f"http://127.0.0.1:{port}/attend"]
+    out = subprocess.run(cmd, env=os.environ | {"BODY": str(body_file)}, capture_output=True, text=True, check=True)
+    line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+    result = json.loads(line)
+    result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
+    return result
+
+
+def machine() -> str:
+    import onnxruntime
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    wrk_version = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("[")[0].strip()
+    return (f"{cpu}, {os.cpu_count()} cores; Linux {platform.release()}; Python {platform.python_version()}, "
+            f"onnxruntime {onnxruntime.__version__} (CPU execution provider), numpy {np.__version__}; {wrk_version}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measured point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each point")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--out", type=Path, help="also write the table (with the machine) to this markdown file")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        print("wrk is needed: apt-get install wrk", file=sys.stderr)
+        return 2
+    if (os.cpu_count() or 1) < 2:
+        print("warning: one core; server and load generator share it", file=sys.stderr)
+
+    work = workloads()
+    tmp = Path(tempfile.mkdtemp(prefix="attend-bench-"))
+    bodies = {}
+    for name, (_, body) in work.items():
+        bodies[name] = json.dumps(body).encode()
+        (tmp / f"{name}.json").write_bytes(bodies[name])
+    print(f"in-process limit ({args.duration:.0f} s per workload) ...", file=sys.stderr)
+    limit = in_process(args.repository, bodies, args.duration)
+
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for batching in (True, False):
+        port = 18000 + int(batching)
+        proc = start_service(args.repository, port, batching)
+        try:
+            for name in work:
+                for c in concurrency:
+                    print(f"{name} c={c} batching={'on' if batching else 'off'} ...", file=sys.stderr)
+                    wrk(port, tmp / f"{name}.json", c, args.warmup)
+                    r = wrk(port, tmp / f"{name}.json", c, args.duration)
+                    if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
+                        raise RuntimeError(f"{name} c={c}: errors {r}")
+                    rows.append((name, c, batching, r))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    shutil.rmtree(tmp)
+
+    lines = ["| workload | concurrency | batching | req/s | p50 ms | p99 ms | in-process req/s | ratio |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c, batching, r in sorted(rows, key=lambda x: (x[0], x[1], not x[2])):
+        lim = limit[name]["rps"]
+        lines.append(f"| {name} | {c} | {'on' if batching else 'off'} | {r['rps']:.0f} | {r['p50_us'] / 1e3:.2f} | "
+                     f"{r['p99_us'] / 1e3:.2f} | {lim:.0f} | {r['rps'] / lim:.2f} |")
+    by = {(n, c, b): r["rps"] for n, c, b, r in rows}
+    summary = ["", "| workload | concurrency | batching on / off (throughput) |", "| --- | ---: | ---: |"]
+    for name in work:
+        for c in concurrency:
+            summary.append(f"| {name} | {c} | {by[(name, c, True)] / by[(name, c, False)]:.2f} |")
+    legend = [f"- {name}: {text}" for name, (text, _) in work.items()]
+    inproc = ["", "In-process limit (decode + session run + encode, one core, one ORT thread):", "",
+              "| workload | req/s | p50 ms | p99 ms |", "| --- | ---: | ---: | ---: |"]
+    inproc += [f"| {n} | {v['rps']:.0f} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} |" for n, v in limit.items()]
+    table = "\n".join(lines + summary + inproc)
+    print(table)
+    print("\n" + "\n".join(legend))
+    if args.out:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        text = (f"Run {stamp} on: {machine()}.\n\nCommand: `python bench/run.py --duration {args.duration:g}`; "
+                f"server pinned to core {SERVER_CPU} (one ORT intra-op thread), wrk (1 thread) to core {LOAD_CPU}; "
+                f"{args.warmup:g} s warm-up then {args.duration:g} s per point.\n\n" + "\n".join(legend) + "\n\n"
+                + table + "\n")
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
