@@ -32,7 +32,7 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         # caller loaded them already (python -m service does, to fail fast with one line).
         registry = preloaded or await anyio.to_thread.run_sync(load_registry, settings)
         app.state.registry = registry
-        app.state.dataplane = Dataplane(registry, app.state.metrics)
+        app.state.dataplane = Dataplane(registry, app.state.metrics, settings.request_limits())
         app.state.limiter = anyio.CapacityLimiter(settings.inference_threads)
         scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(),
                               settings.inference_threads, app.state.metrics)

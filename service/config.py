@@ -11,6 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.batching import BatchLimits
+from service.decode import RequestLimits
 
 
 class Settings(BaseSettings):
@@ -31,18 +32,31 @@ class Settings(BaseSettings):
     cuda_tf32: bool = False
     warmup: bool = True
 
-    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # Limits per request. The body bound also bounds the parse: ~8 bytes of JSON per number
+    # become a 24-byte Python float plus a list slot while decoding (see docs/reliability.md).
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_batch: int = Field(1024, ge=1, description="batch size of one request")
+    max_sequence: int = Field(4096, ge=1, description="n_q and n_k of one request")
+    max_features: int = Field(4096, ge=1, description="query, key and value sizes")
+    max_weight_elements: int = Field(8 * 1024 * 1024, ge=1,
+                                     description="batch * heads * n_q * n_k of one request's attention weights")
 
     # Dynamic batching (service.batching) and backpressure.
     batching: bool = True
     max_batch_rows: int = Field(64, ge=1)
-    max_batch_elements: int = Field(4 * 1024 * 1024, ge=1, description="padded rows * heads * n_q * n_k")
+    # A batch stops growing at this many padded weight elements (rows * heads * n_q * n_k): past
+    # ~128K a session run is compute-bound, and merging only adds copies and head-of-line latency.
+    max_batch_elements: int = Field(128 * 1024, ge=1, description="padded rows * heads * n_q * n_k")
     max_batch_wait_us: int = Field(0, ge=0, description="how long a batch's first request waits for others")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
     request_timeout_s: float = Field(30.0, gt=0, description="deadline, queue time included; "
                                      "a client may shorten it with X-Request-Timeout-Ms")
     # Bodies smaller than this are decoded on the event loop: a thread hop costs more than the parse.
     inline_decode_bytes: int = Field(16 * 1024, ge=0)
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(batch=self.max_batch, sequence=self.max_sequence, features=self.max_features,
+                             weight_elements=self.max_weight_elements)
 
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(enabled=self.batching, max_rows=self.max_batch_rows,

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import orjson
 
-from service.decode import Request, decode, parse_json, resolve_model
+from service.decode import Request, RequestLimits, decode, parse_json, resolve_model
 from service.errors import ServiceError
 from service.metrics import Metrics
 from service.runtime import LoadedModel, Registry
@@ -21,9 +21,10 @@ _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
 class Dataplane:
-    def __init__(self, registry: Registry, metrics: Metrics):
+    def __init__(self, registry: Registry, metrics: Metrics, limits: RequestLimits | None = None):
         self.registry = registry
         self.metrics = metrics
+        self.limits = limits or RequestLimits()
 
     def decode(self, body: bytes) -> Request:
         """Raises ServiceError subclasses for bad input, with `.model` set to the model's name
@@ -32,7 +33,7 @@ class Dataplane:
         try:
             data = parse_json(body)
             model = resolve_model(data, self.registry)
-            return decode(data, model)
+            return decode(data, model, self.limits)
         except ServiceError as e:
             e.model = model.name if model else None
             raise

@@ -7,6 +7,7 @@ signature (`export.repository.signature`), naming the field, the expected and th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +15,23 @@ import numpy as np
 import orjson
 
 from export.repository import TensorSpec, valid_lens_2d
-from service.errors import InvalidJSON, InvalidRequest, InvalidShape, ModelNotFound
+from service.errors import InvalidJSON, InvalidRequest, InvalidShape, ModelNotFound, PayloadTooLarge
 from service.runtime import LoadedModel, Registry
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values")
 FIELDS = {"model", *ARRAY_FIELDS, "valid_lens", "return_weights"}
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (ATTEND_MAX_*); beyond it: 413 naming the limit."""
+
+    batch: int = 1024
+    sequence: int = 4096
+    features: int = 4096
+    weight_elements: int = 8 * 1024 * 1024
 
 
 @dataclass
@@ -33,9 +44,14 @@ class Request:
 def _numeric_array(value: Any, field: str) -> np.ndarray:
     if not isinstance(value, list):
         raise InvalidRequest(f"{field} must be a nested list of numbers, got {type(value).__name__}", field=field)
+    depth, probe = 0, value
+    while isinstance(probe, list) and probe and depth <= 3:
+        probe, depth = probe[0], depth + 1
+    if depth > 3:  # deeper than any field allows: refuse before numpy walks it
+        raise InvalidShape(f"{field} is nested deeper than 3 levels", field=field)
     try:
         arr = np.array(value)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         # numpy names the inhomogeneous axis: "... after 1 dimensions. The detected shape was (2,) + ..."
         raise InvalidShape(f"{field} is ragged: every row must have the same length ({e})", field=field) from e
     if arr.dtype.kind not in "iuf":
@@ -122,7 +138,27 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise InvalidJSON(f"the request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise InvalidJSON(f"the request body must be a JSON object, got {type(data).__name__}")
+    _refuse_duplicate_keys(body, data)
     return data
+
+
+def _refuse_duplicate_keys(body: bytes, data: dict[str, Any]) -> None:
+    """orjson keeps the last of duplicate keys silently. Only the top level can hold keys (every
+    other value is a number array), so a cheap count finds candidates and the slow parser with
+    `object_pairs_hook` confirms them; escaped keys (\\u...) always take the slow path."""
+    suspicious = b"\\u" in body or any(body.count(b'"' + key.encode() + b'"') > 1 for key in data)
+    if not suspicious:
+        return
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen = set()
+        for key, _ in items:
+            if key in seen:
+                raise InvalidJSON(f"duplicate key {key!r} in the request body", field=key)
+            seen.add(key)
+        return dict(items)
+
+    json.loads(body, object_pairs_hook=pairs)
 
 
 def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
@@ -139,7 +175,28 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
     return model
 
 
-def decode(data: dict[str, Any], model: LoadedModel) -> Request:
+def _check_limits(limits: RequestLimits, model: LoadedModel, batch: int, n_q: int, n_k: int,
+                  feed: dict[str, np.ndarray]) -> None:
+    def refuse(what: str, got: int, limit: int, setting: str, field: str = "queries") -> None:
+        raise PayloadTooLarge(f"{what} is {got}, over this service's limit of {limit} ({setting})", field=field,
+                              expected=f"<= {limit}", received=got)
+
+    if batch > limits.batch:
+        refuse("batch", batch, limits.batch, "ATTEND_MAX_BATCH")
+    if n_q > limits.sequence:
+        refuse("n_q", n_q, limits.sequence, "ATTEND_MAX_SEQUENCE")
+    if n_k > limits.sequence:
+        refuse("n_k", n_k, limits.sequence, "ATTEND_MAX_SEQUENCE", "keys")
+    for name, arr in feed.items():
+        if arr.shape[-1] > limits.features:
+            refuse(f"the feature size of {name}", arr.shape[-1], limits.features, "ATTEND_MAX_FEATURES", name)
+    elements = batch * int(model.config.hyperparameters.get("num_heads", 1)) * n_q * n_k
+    if elements > limits.weight_elements:
+        refuse("batch * heads * n_q * n_k (the attention weights)", elements, limits.weight_elements,
+               "ATTEND_MAX_WEIGHT_ELEMENTS")
+
+
+def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = RequestLimits()) -> Request:
     """The request for `model` from the parsed JSON object `data`."""
     return_weights = data.get("return_weights", True)
     if not isinstance(return_weights, bool):
@@ -166,6 +223,7 @@ def decode(data: dict[str, Any], model: LoadedModel) -> Request:
     batch = bound["batch"]
     n_q = bound.get("n_q", bound.get("n", 0))
     n_k = bound.get("n_k", bound.get("n", 0))
+    _check_limits(limits, model, batch, n_q, n_k, feed)
     max_len = model.config.hyperparameters.get("max_len")
     if max_len is not None and n_q > max_len:
         raise InvalidShape(f"queries is a sequence of {n_q} tokens, longer than the model's max_len {max_len}",

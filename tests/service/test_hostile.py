@@ -1,0 +1,117 @@
+"""Hostile input: every limit, tokens JSON does not allow, deep nesting, huge arrays, duplicate
+keys, wrong content types. Each gets a 4xx in the one error body; the service stays ready."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.schemas import toy_request
+
+TOY = toy_request()
+
+
+def nested(depth, leaf="1.0"):
+    return "[" * depth + leaf + "]" * depth
+
+
+@pytest.fixture(scope="module")
+def tight(settings):
+    """A service with small limits, to reach each of them with small bodies."""
+    limits = {"max_batch": 4, "max_sequence": 16, "max_features": 128, "max_weight_elements": 1000,
+              "max_body_bytes": 16 * 1024 * 1024}
+    with TestClient(create_app(settings.model_copy(update=limits))) as client:
+        yield client
+
+
+def _dot(batch, n_q, n_k, d=2, v=2):
+    return {"model": "dot_product", "queries": [[[0.0] * d] * n_q] * batch, "keys": [[[0.0] * d] * n_k] * batch,
+            "values": [[[0.0] * v] * n_k] * batch}
+
+
+# (id, body, status, code, field, words the message must contain)
+LIMITS = [
+    ("batch", _dot(5, 1, 1), 413, "field:queries", "batch is 5, over this service's limit of 4 (ATTEND_MAX_BATCH)"),
+    ("n_q", _dot(1, 17, 1), 413, "field:queries", "n_q is 17, over this service's limit of 16 (ATTEND_MAX_SEQUENCE)"),
+    ("n_k", _dot(1, 1, 17), 413, "field:keys", "n_k is 17, over this service's limit of 16"),
+    ("features", _dot(1, 1, 1, d=129), 413, "field:queries", "the feature size of queries is 129, over this "
+     "service's limit of 128 (ATTEND_MAX_FEATURES)"),
+    ("value-features", _dot(1, 1, 1, v=140), 413, "field:values", "the feature size of values is 140"),
+    ("weights", _dot(4, 16, 16), 413, "field:queries", "batch * heads * n_q * n_k (the attention weights) is 1024, "
+     "over this service's limit of 1000 (ATTEND_MAX_WEIGHT_ELEMENTS)"),
+    ("multi-head-weights", {"model": "multi_head", "queries": [[[0.0] * 100] * 14], "keys": [[[0.0] * 100] * 15],
+                            "values": [[[0.0] * 100] * 15]}, 413, "field:queries", "is 1050, over"),  # 5 heads
+]
+
+
+@pytest.mark.parametrize("case", LIMITS, ids=[c[0] for c in LIMITS])
+def test_each_limit_is_named(tight, case):
+    _, body, status, field, words = case
+    response = tight.post("/attend", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == "payload_too_large"
+    assert error["field"] == field.split(":")[1]
+    assert words in error["message"]
+
+
+def test_within_the_limits_is_served(tight):
+    assert tight.post("/attend", json=_dot(3, 16, 16)).status_code == 200  # 768 weights
+
+
+RAW = [
+    ("nan", b'{"queries": [[[NaN, 1.0]]], "keys": [[[1.0, 1.0]]], "values": [[[1.0]]]}', 400, "invalid_json", None),
+    ("infinity", b'{"queries": [[[Infinity]]]}', 400, "invalid_json", None),
+    ("minus-infinity", b'{"queries": [[[-Infinity]]]}', 400, "invalid_json", None),
+    ("overflowing-number", b'{"queries": [[[1e400]]]}', 400, "invalid_json", None),
+    ("deep-100", json.dumps(TOY | {"queries": "X"}).replace('"X"', nested(100)).encode(), 422, "invalid_shape",
+     "queries"),
+    ("deep-100-lens", json.dumps(TOY).replace('"valid_lens": [2, 6]',
+                                              '"valid_lens": ' + nested(100, "2")).encode(), 422, "invalid_shape",
+     "valid_lens"),
+    ("deep-5000", ('{"queries": ' + nested(5000) + "}").encode(), 400, "invalid_json", None),
+    ("duplicate-key", json.dumps(TOY)[:-1].encode() + b', "valid_lens": [1, 1]}', 400, "invalid_json", "valid_lens"),
+    ("duplicate-escaped-key", json.dumps(TOY)[:-1].encode() + b', "\\u0076alid_lens": [1, 1]}', 400,
+     "invalid_json", "valid_lens"),
+    ("string-body", b'"' + b"a" * 10000 + b'"', 400, "invalid_json", None),
+    ("many-unknown-keys", json.dumps({f"k{i}": i for i in range(10000)}).encode(), 422, "invalid_request", None),
+    ("million-flat", json.dumps(TOY | {"queries": "X"}).replace('"X"', "[" + ",".join(["0.5"] * 1_000_000) + "]")
+     .encode(), 422, "invalid_shape", "queries"),
+    ("million-features", ('{"model": "additive", "queries": [[[' + ",".join(["0.5"] * 1_000_000) + ']]], '
+                          '"keys": [[[1, 1]]], "values": [[[1]]]}').encode(), 422, "invalid_shape", "queries"),
+    ("strings-for-numbers", json.dumps(TOY | {"values": [[["1"] * 4] * 10] * 2}).encode(), 422, "invalid_request",
+     "values"),
+    ("object-for-array", json.dumps(TOY | {"keys": {"a": 1}}).encode(), 422, "invalid_request", "keys"),
+]
+
+
+@pytest.mark.parametrize("case", RAW, ids=[c[0] for c in RAW])
+def test_hostile_bodies(tight, case):
+    _, body, status, code, field = case
+    response = tight.post("/attend", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == code
+    if field is not None:
+        assert error["field"] == field
+    assert "Traceback" not in response.text
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "multipart/form-data; boundary=x",
+                                          "application/x-www-form-urlencoded", "application/xml"])
+def test_wrong_content_types(tight, content_type):
+    response = tight.post("/attend", content=json.dumps(TOY), headers={"content-type": content_type})
+    assert response.status_code == 415
+    assert response.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_json_with_charset_and_missing_content_type_are_accepted(tight):
+    assert tight.post("/attend", content=json.dumps(TOY),
+                      headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+    assert tight.post("/attend", content=json.dumps(TOY), headers={"content-type": ""}).status_code in (200, 415)
+
+
+def test_still_ready_after_all_that(tight):
+    assert tight.get("/health/ready").status_code == 200
+    assert tight.post("/attend", json=TOY).status_code == 200
