@@ -1,0 +1,95 @@
+# attend: export the default model repository with torch (CPU), serve it with ONNX Runtime.
+#
+#   docker build -t attend .                                   # GPU image (CUDA 13 + cuDNN 9 as pip wheels)
+#   docker build -t attend:cpu --build-arg ORT_EXTRAS= .       # CPU-only image (no NVIDIA libraries)
+#   docker build -t attend-locust --target locust .            # the load generator (tests/load/locustfile.py)
+#
+# Build arguments:
+#   BASE_IMAGE      a Debian/Ubuntu image with python3 (3.11, for the torch wheel) and venv;
+#                   default python:3.11-slim-bookworm
+#   ORT_EXTRAS      extras of onnxruntime-gpu for the runtime stage; "cuda,cudnn" (default) brings the
+#                   CUDA 13 and cuDNN 9 libraries as wheels, "" builds the CPU-only image
+#   TORCH_WHEELS    a folder in the build context with torch-<TORCH_VERSION>+cpu wheels; when it holds
+#                   none, torch comes from TORCH_INDEX_URL (the CPU build, never the CUDA one)
+#   TORCH_VERSION / TORCH_INDEX_URL
+#
+# Only the classic builder's features are used (no RUN --mount, no heredocs, no named contexts), so it
+# builds with BuildKit and with the plain engine alike.
+
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------- base: a venv on the base image's python3
+FROM ${BASE_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv \
+    && groupadd --system --gid 10001 attend \
+    && useradd --system --uid 10001 --gid attend --create-home --home-dir /home/attend \
+        --shell /usr/sbin/nologin attend
+WORKDIR /app
+# The project's requirement lists, read from pyproject.toml (a code change leaves this layer alone).
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+o = p['optional-dependencies']; w = lambda f, r: open(f, 'w').write('\n'.join(r) + '\n'); \
+w('/tmp/requirements.txt', p['dependencies']); w('/tmp/requirements-export.txt', o['export']); \
+w('/tmp/requirements-load.txt', o['load'] + [r for r in p['dependencies'] if r.startswith('numpy')])"
+
+# ---------------------------------------------------------------- locust: the load generator
+FROM base AS locust
+# locust, and numpy at the runtime's pin (the locustfile makes its request bodies with it).
+RUN pip install -r /tmp/requirements-load.txt
+COPY tests/load/locustfile.py ./tests/load/locustfile.py
+USER 10001:10001
+ENTRYPOINT ["locust", "-f", "/app/tests/load/locustfile.py"]
+CMD ["--headless", "--users", "8", "--spawn-rate", "8", "--run-time", "30s", "--only-summary", \
+     "--host", "http://api:8000"]
+
+# ---------------------------------------------------------------- export: torch (CPU) writes /models
+FROM base AS export
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_WHEELS=tests/container/wheels
+# pyproject.toml is listed so that the COPY has a source when the wheel folder is empty or absent.
+COPY pyproject.toml ${TORCH_WHEELS}/torch-*.whl /tmp/wheels/
+# The exact "+cpu" pin: pip can never fall back to the registry's build with GBs of CUDA wheels.
+RUN if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then \
+        pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}+cpu"; \
+    else \
+        pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
+            "torch==${TORCH_VERSION}+cpu"; \
+    fi \
+    && rm -rf /tmp/wheels \
+    && pip install -r /tmp/requirements.txt -r /tmp/requirements-export.txt
+COPY models ./models
+COPY export ./export
+# The exporter writes config.json and version folders owner-only (mkstemp/mkdtemp): the service runs
+# as another user, so make the repository world-readable (it stays owned by root, read-only for it).
+RUN python -m export --repository /models && chmod -R a+rX /models
+
+# ---------------------------------------------------------------- runtime (the default target): no torch
+FROM base AS runtime
+ARG ORT_EXTRAS=cuda,cudnn
+# "onnxruntime-gpu[]" (ORT_EXTRAS empty) adds nothing to the pinned requirement.
+RUN pip install -r /tmp/requirements.txt "onnxruntime-gpu[${ORT_EXTRAS}]" \
+    && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the runtime image" >&2; exit 1; fi
+COPY --from=export /models /models
+# The service reads export/repository.py (torch-free); the exporter modules are not imported.
+COPY export ./export
+COPY service ./service
+ENV ATTEND_HOST=0.0.0.0 \
+    ATTEND_PORT=8000 \
+    ATTEND_MODEL_REPOSITORY=/models \
+    ATTEND_DEVICE=auto \
+    ATTEND_WORKERS=1 \
+    ATTEND_LOG_LEVEL=info \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('ATTEND_PORT', '8000'), timeout=4)"]
+CMD ["python", "-m", "service"]
