@@ -22,6 +22,7 @@ DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values")
 FIELDS = {"model", *ARRAY_FIELDS, "valid_lens", "return_weights"}
 _F32_MAX = float(np.finfo(np.float32).max)
+_MAX_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,10 @@ def _numeric_array(value: Any, field: str) -> np.ndarray:
     if not isinstance(value, list):
         raise InvalidRequest(f"{field} must be a nested list of numbers, got {type(value).__name__}", field=field)
     depth, probe = 0, value
-    while isinstance(probe, list) and probe and depth <= 3:
+    while isinstance(probe, list) and probe and depth <= _MAX_DEPTH:
         probe, depth = probe[0], depth + 1
-    if depth > 3:  # deeper than any field allows: refuse before numpy walks it
-        raise InvalidShape(f"{field} is nested deeper than 3 levels", field=field)
+    if depth > _MAX_DEPTH:  # absurdly deep: refuse before numpy walks it (a few levels get the rank error)
+        raise InvalidShape(f"{field} is nested deeper than {_MAX_DEPTH} levels; it must be 3-D", field=field)
     try:
         arr = np.array(value)
     except (ValueError, TypeError, RecursionError) as e:
