@@ -13,6 +13,7 @@ import uvicorn
 
 from service.app import create_app, load_registry
 from service.config import get_settings
+from service.middleware import RequestIdFilter
 from service.runtime import StartupError
 
 log = logging.getLogger("service")
@@ -20,13 +21,17 @@ log = logging.getLogger("service")
 
 def main() -> int:
     settings = get_settings()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
     try:
         registry = load_registry(settings)
     except StartupError as e:
         log.critical("cannot start: %s", e)
         return 1
-    common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level}
+    # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
+    common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False}
     if settings.workers == 1:
         uvicorn.run(create_app(settings, registry), **common)
     else:

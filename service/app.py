@@ -7,13 +7,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
+from service.auth import require_api_key
 from service.batching import Scheduler
 from service.config import Settings, get_settings
 from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
+from service.middleware import RequestContext
 from service.routes import attend, health, models
 from service.runtime import Registry
 
@@ -65,10 +68,18 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.ready = False
+    app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
-    app.include_router(attend.router)
-    app.include_router(models.router)
+    protected = [Depends(require_api_key)]
+    app.include_router(attend.router, dependencies=protected)
+    app.include_router(models.router, dependencies=protected)
+    app.include_router(health.metrics_router, dependencies=protected)
     app.include_router(health.router)
+    if settings.cors_origin_list():
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Request-Timeout-Ms"],
+                           expose_headers=["X-Request-ID", "Retry-After"])
+    app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
 
 

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.batching import BatchLimits
@@ -62,6 +62,16 @@ class Settings(BaseSettings):
         return BatchLimits(enabled=self.batching, max_rows=self.max_batch_rows,
                            max_elements=self.max_batch_elements, max_wait_s=self.max_batch_wait_us / 1e6,
                            max_queue=self.max_queue)
+
+    # Access. Comma-separated; empty = no keys needed. SecretStr keeps them out of reprs and logs.
+    api_keys: SecretStr = SecretStr("")
+    cors_origins: str = Field("", description="comma-separated origins allowed by CORS; empty = CORS off")
+
+    def api_key_list(self) -> tuple[bytes, ...]:
+        return tuple(k.strip().encode() for k in self.api_keys.get_secret_value().split(",") if k.strip())
+
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     def resolved_intra_op_threads(self) -> int:
         if self.intra_op_threads:

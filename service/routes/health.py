@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.errors import NotReady
 
 router = APIRouter()
+metrics_router = APIRouter()  # behind the API keys, when there are any
 
 
 @router.get("/health/live", summary="The process is up")
@@ -24,6 +25,6 @@ async def ready(request: Request) -> dict[str, object]:
     return {"status": "ready", "models": state.registry.names()}
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@metrics_router.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,56 @@
+"""Request IDs and the access log, as one pure ASGI middleware (no BaseHTTPMiddleware: it
+would buffer bodies and cost a task per request).
+
+`X-Request-ID` is taken from the request when it is a sane token, made up otherwise, returned
+on the response and attached to every log record of the request (`%(request_id)s`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+_SANE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+access = logging.getLogger("service.access")
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        rid = incoming if _SANE.match(incoming) else uuid.uuid4().hex
+        token = request_id.set(rid)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if access.isEnabledFor(logging.INFO):
+                access.info("%s %s %d %.1fms", scope["method"], scope["path"], status,
+                            1e3 * (time.perf_counter() - start))
+            request_id.reset(token)

@@ -1,0 +1,92 @@
+"""API keys, CORS and request IDs."""
+
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from service.app import create_app
+from service.middleware import RequestIdFilter
+from service.schemas import toy_request
+
+KEYS = "first-key-123,second-key-456"
+
+
+@pytest.fixture(scope="module")
+def keyed(settings):
+    with TestClient(create_app(settings.model_copy(update={"api_keys": SecretStr(KEYS)}))) as client:
+        yield client
+
+
+@pytest.mark.parametrize("method, path", [("post", "/attend"), ("get", "/models"), ("get", "/models/additive"),
+                                          ("get", "/metrics")])
+def test_protected_endpoints_need_a_key(keyed, method, path):
+    kwargs = {"json": toy_request()} if method == "post" else {}
+    missing = getattr(keyed, method)(path, **kwargs)
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert missing.json()["error"] == {"code": "unauthorized", "field": "Authorization",
+                                       "message": "this endpoint needs an API key: Authorization: Bearer <key>"}
+    wrong = getattr(keyed, method)(path, headers={"Authorization": "Bearer first-key-12"}, **kwargs)
+    assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "the API key is not valid"
+    basic = getattr(keyed, method)(path, headers={"Authorization": "Basic Zmlyc3Qta2V5LTEyMw=="}, **kwargs)
+    assert basic.status_code == 401
+    for key in KEYS.split(","):
+        ok = getattr(keyed, method)(path, headers={"Authorization": f"Bearer {key}"}, **kwargs)
+        assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("path", ["/health/live", "/health/ready", "/openapi.json"])
+def test_health_stays_open(keyed, path):
+    assert keyed.get(path).status_code == 200
+
+
+def test_keys_never_reach_the_logs(keyed, settings, caplog):
+    with caplog.at_level(logging.DEBUG):
+        keyed.post("/attend", json=toy_request(), headers={"Authorization": "Bearer second-key-456"})
+        keyed.post("/attend", json=toy_request(), headers={"Authorization": "Bearer wrong-key-789"})
+    text = caplog.text + repr(settings.model_copy(update={"api_keys": SecretStr(KEYS)}))
+    for secret in ("first-key-123", "second-key-456", "wrong-key-789"):
+        assert secret not in text
+
+
+def test_no_keys_means_open(client):
+    assert client.get("/models").status_code == 200
+
+
+def test_cors_is_off_by_default(client):
+    preflight = client.options("/attend", headers={"Origin": "https://example.org",
+                                                   "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+    assert "access-control-allow-origin" not in client.get("/health/live", headers={"Origin": "https://x.org"}).headers
+
+
+def test_cors_when_configured(settings):
+    app = create_app(settings.model_copy(update={"cors_origins": "https://app.example.org"}))
+    with TestClient(app) as client:
+        preflight = client.options("/attend", headers={"Origin": "https://app.example.org",
+                                                       "Access-Control-Request-Method": "POST",
+                                                       "Access-Control-Request-Headers": "content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example.org"
+        other = client.options("/attend", headers={"Origin": "https://evil.example.org",
+                                                   "Access-Control-Request-Method": "POST"})
+        assert other.headers.get("access-control-allow-origin") != "https://evil.example.org"
+
+
+def test_request_id_in_and_out_and_in_the_logs(client, caplog):
+    caplog.handler.addFilter(RequestIdFilter())
+    with caplog.at_level(logging.INFO, logger="service.access"):
+        response = client.post("/attend", json=toy_request(), headers={"X-Request-ID": "trace-42"})
+    assert response.headers["x-request-id"] == "trace-42"
+    records = [r for r in caplog.records if r.name == "service.access"]
+    assert records and records[-1].request_id == "trace-42"
+    assert "POST /attend 200" in records[-1].getMessage()
+    made_up = client.get("/health/live").headers["x-request-id"]
+    assert len(made_up) == 32 and int(made_up, 16) >= 0
+    insane = client.get("/health/live", headers={"X-Request-ID": "bad id\twith spaces"}).headers["x-request-id"]
+    assert insane != "bad id\twith spaces" and len(insane) == 32
+    # Errors carry it too.
+    assert client.post("/attend", json={"model": "nope"}, headers={"X-Request-ID": "e-1"}).headers["x-request-id"] \
+        == "e-1"
