@@ -2,14 +2,19 @@
 
 The models are loaded before uvicorn starts, so a repository that cannot be served stops the
 process with a one-line reason and exit code 1, before any port is open.
+
+SIGTERM (and SIGINT): readiness turns 503 at once and new requests are refused; requests in
+flight and in the batch queue finish; then the process exits, within ATTEND_GRACE_PERIOD_S.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from service.app import create_app, load_registry
 from service.config import get_settings
@@ -17,6 +22,24 @@ from service.middleware import RequestIdFilter
 from service.runtime import StartupError
 
 log = logging.getLogger("service")
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn stops accepting connections on SIGTERM and waits for the open ones; this turns
+    readiness off first, so a load balancer's probe and requests already on a kept-alive
+    connection see 503 at once rather than a half-stopped service."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.app.state.ready:
+            log.info("signal %d: not ready; finishing %d requests in flight", sig,
+                     int(self.app.state.metrics.in_flight._value.get()))
+        self.app.state.ready = False
+        self.app.state.metrics.ready.set(0)
+        super().handle_exit(sig, frame)
 
 
 def main() -> int:
@@ -31,11 +54,14 @@ def main() -> int:
         log.critical("cannot start: %s", e)
         return 1
     # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
-    common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False}
+    common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False,
+              "timeout_graceful_shutdown": settings.grace_period_s}
     if settings.workers == 1:
-        uvicorn.run(create_app(settings, registry), **common)
+        app = create_app(settings, registry)
+        GracefulServer(uvicorn.Config(app, **common), app).run()
     else:
-        # Each worker process loads its own sessions; the load above was the check.
+        # Each worker process loads its own sessions; the load above was the check. Workers
+        # drain on SIGTERM as uvicorn does (readiness turns off in their lifespan shutdown).
         del registry
         uvicorn.run("service.app:create_app_from_env", factory=True, workers=settings.workers, **common)
     return 0

@@ -25,7 +25,7 @@ log = logging.getLogger("service")
 
 def load_registry(settings: Settings) -> Registry:
     return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
-                         settings.cuda_tf32, settings.warmup)
+                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models)
 
 
 def _lifespan(settings: Settings, preloaded: Registry | None):
@@ -41,13 +41,14 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
                               settings.inference_threads, app.state.metrics)
         scheduler.start()
         app.state.scheduler = scheduler
+        app.state.serving = True  # stays on while draining: what reaches a handler then was sent before
         app.state.ready = True
         app.state.metrics.ready.set(1)
         log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
         try:
             yield
         finally:
-            app.state.ready = False
+            app.state.ready = app.state.serving = False
             app.state.metrics.ready.set(0)
             await scheduler.stop()
 
@@ -67,7 +68,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
-    app.state.ready = False
+    app.state.ready = app.state.serving = False
     app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
     protected = [Depends(require_api_key)]

@@ -31,6 +31,11 @@ class Settings(BaseSettings):
     # TF32 matmuls on the GPU differ from fp32 by ~1e-3; off unless asked for.
     cuda_tf32: bool = False
     warmup: bool = True
+    # A model that cannot be loaded stops the service, unless this is set: then it is skipped,
+    # named in the log and in GET /models, and requests for it get 503.
+    skip_broken_models: bool = False
+    # SIGTERM: readiness turns 503 at once; requests in flight and queued finish within this.
+    grace_period_s: float = Field(30.0, ge=0)
 
     # Limits per request. The body bound also bounds the parse: ~8 bytes of JSON per number
     # become a 24-byte Python float plus a list slot while decoding (see docs/reliability.md).

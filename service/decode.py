@@ -15,7 +15,14 @@ import numpy as np
 import orjson
 
 from export.repository import TensorSpec, valid_lens_2d
-from service.errors import InvalidJSON, InvalidRequest, InvalidShape, ModelNotFound, PayloadTooLarge
+from service.errors import (
+    InvalidJSON,
+    InvalidRequest,
+    InvalidShape,
+    ModelNotFound,
+    ModelUnavailable,
+    PayloadTooLarge,
+)
 from service.runtime import LoadedModel, Registry
 
 DEFAULT_MODEL = "dot_product"
@@ -171,6 +178,8 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
     if not isinstance(name, str):
         raise InvalidRequest(f"model must be a string, got {type(name).__name__}", field="model")
     model = registry.get(name)
+    if model is None and name in registry.broken:
+        raise ModelUnavailable(f"model {name!r} could not be loaded: {registry.broken[name]}", field="model")
     if model is None:
         raise ModelNotFound(f"unknown model {name!r}; available: {', '.join(registry.names())}", field="model")
     return model

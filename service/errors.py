@@ -69,6 +69,10 @@ class InvalidShape(InvalidRequest):
     code = "invalid_shape"
 
 
+class ModelUnavailable(ServiceError):
+    status, code = 503, "model_unavailable"
+
+
 class NotReady(ServiceError):
     status, code = 503, "not_ready"
 

@@ -162,10 +162,11 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
 
 
 class Registry:
-    """Every model of the repository, by name."""
+    """Every model of the repository, by name; and, when broken models are skipped, why each was."""
 
-    def __init__(self, models: dict[str, LoadedModel]):
+    def __init__(self, models: dict[str, LoadedModel], broken: dict[str, str] | None = None):
         self.models = models
+        self.broken = broken or {}
 
     def get(self, name: str) -> LoadedModel | None:
         return self.models.get(name)
@@ -175,7 +176,10 @@ class Registry:
 
     @classmethod
     def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
-             warmup: bool = True) -> Registry:
+             warmup: bool = True, skip_broken: bool = False) -> Registry:
+        """Load and warm up every model. A model that cannot be served stops the load with a
+        StartupError (one line: which model, what is wrong), or with `skip_broken` is left out
+        and named in `broken`; a repository with nothing to serve is always an error."""
         if not repository.is_dir():
             raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
         dirs = list_models(repository)
@@ -184,17 +188,34 @@ class Registry:
         if device != "cpu":
             _preload_cuda()
         providers = providers_for(device, cuda_tf32)
-        models = {}
+        models: dict[str, LoadedModel] = {}
+        broken: dict[str, str] = {}
         for model_dir in dirs:
             start = time.perf_counter()
-            model = load_model(model_dir, providers, intra_op_threads, require_cuda=device == "cuda")
-            if warmup:
-                warm_up(model)
+            try:
+                model = load_model(model_dir, providers, intra_op_threads, require_cuda=device == "cuda")
+                if warmup:
+                    warm_up(model)
+            except StartupError as e:
+                if not skip_broken:
+                    raise
+                broken[model_dir.name] = str(e)
+                log.error("skipping model %s: %s", model_dir.name, e)
+                continue
+            except Exception as e:  # warm-up failing is the model's fault too
+                reason = f"model {model_dir.name}: warm-up failed: {e}"
+                if not skip_broken:
+                    raise StartupError(reason) from e
+                broken[model_dir.name] = reason
+                log.error("skipping model %s: %s", model_dir.name, reason)
+                continue
             models[model.name] = model
+            log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind,
+                     model.config.version, model.provider, time.perf_counter() - start)
             if device == "auto" and model.provider != CUDA and CUDA in str(providers):
                 # Tried once, fell back: spare the other models the same failed attempt (and its log).
                 log.warning("CUDA execution provider unavailable; every model runs on %s", model.provider)
                 providers = [CPU]
-            log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind,
-                     model.config.version, model.provider, time.perf_counter() - start)
-        return cls(models)
+        if not models:
+            raise StartupError(f"no model of {repository} can be served: " + "; ".join(broken.values()))
+        return cls(models, broken)

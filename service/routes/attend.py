@@ -71,7 +71,9 @@ def _deadline(request: Request, default_s: float) -> float:
 )
 async def attend(request: Request) -> Response:
     state = request.app.state
-    if not state.ready:
+    # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
+    # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
+    if not state.serving:
         raise NotReady("the service is not ready", headers={"Retry-After": "1"})
     settings = state.settings
     start = time.perf_counter()

@@ -1,0 +1,146 @@
+"""Start-up failures (stop with one line, or skip behind a setting) and SIGTERM under load."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.runtime import Registry, StartupError
+from tests.server import ROOT, running_service
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def repo_copy(repository, tmp_path):
+    return shutil.copytree(repository, tmp_path / "repo")
+
+
+def _corrupt_file(repo):
+    path = repo / "additive" / "1" / "model.onnx"
+    path.write_bytes(b"\x08\x07garbage" * 100)
+    config = json.loads((repo / "additive" / "config.json").read_text())
+    import hashlib
+
+    config["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()  # the hash fits: the file is just bad
+    (repo / "additive" / "config.json").write_text(json.dumps(config))
+
+
+def _wrong_sha(repo):
+    path = repo / "additive" / "1" / "model.onnx"
+    path.write_bytes(path.read_bytes() + b"\x00")
+
+
+def _wrong_signature(repo):
+    config = json.loads((repo / "additive" / "config.json").read_text())
+    config["inputs"][0]["shape"] = ["batch", "n_q", 21]  # the graph says 20
+    (repo / "additive" / "config.json").write_text(json.dumps(config))
+
+
+def _bad_config(repo):
+    (repo / "additive" / "config.json").write_text("{not json")
+
+
+def _missing_file(repo):
+    (repo / "additive" / "1" / "model.onnx").unlink()
+
+
+BREAKAGES = [
+    (_corrupt_file, "model additive: ONNX Runtime cannot load"),
+    (_wrong_sha, "model additive: sha256 of"),
+    (_wrong_signature, "model additive: the graph's inputs/outputs"),
+    (_bad_config, "model additive: unreadable config.json"),
+    (_missing_file, "model.onnx is missing"),
+]
+
+
+@pytest.mark.parametrize("breakage, reason", BREAKAGES, ids=[b[0].__name__ for b in BREAKAGES])
+def test_a_broken_model_stops_the_load_with_the_reason(repo_copy, breakage, reason):
+    breakage(repo_copy)
+    with pytest.raises(StartupError, match=reason):
+        Registry.load(repo_copy, "cpu", 1)
+
+
+def test_the_process_exits_1_with_one_line(repo_copy):
+    _wrong_sha(repo_copy)
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(repo_copy), "ATTEND_DEVICE": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if "CRITICAL" in line]
+    assert len(lines) == 1 and "cannot start: model additive: sha256 of" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_skip_broken_models_serves_the_rest_and_says_why(repo_copy, settings):
+    _wrong_sha(repo_copy)
+    skip = settings.model_copy(update={"model_repository": repo_copy, "skip_broken_models": True})
+    with TestClient(create_app(skip)) as client:
+        models = {m["name"]: m for m in client.get("/models").json()["models"]}
+        assert models["additive"]["status"] == "unavailable"
+        assert "sha256 of" in models["additive"]["reason"]
+        assert models["dot_product"]["status"] == "ready"
+        response = client.post("/attend", json={"model": "additive", "queries": [[[0.0] * 20]]})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"
+        assert client.get("/health/ready").status_code == 200
+
+
+def test_nothing_servable_is_an_error_even_when_skipping(repo_copy):
+    for name in ("additive", "dot_product", "multi_head", "self_attention"):
+        (repo_copy / name / "1" / "model.onnx").write_bytes(b"x")
+    with pytest.raises(StartupError, match="no model of .* can be served"):
+        Registry.load(repo_copy, "cpu", 1, skip_broken=True)
+
+
+def test_sigterm_under_load_drops_no_request_in_flight(repository):
+    rng = np.random.default_rng(0)
+    # Heavy enough that several are still running when the signal comes (one core, one thread).
+    body = json.dumps({"model": "dot_product", "queries": rng.normal(size=(8, 256, 64)).tolist(),
+                       "keys": rng.normal(size=(8, 256, 64)).tolist(),
+                       "values": rng.normal(size=(8, 256, 64)).tolist()})
+    results: list = []
+    with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_INFERENCE_THREADS="1",
+                         ATTEND_GRACE_PERIOD_S="60") as (url, proc):
+        def send():
+            try:
+                r = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"},
+                               timeout=60)
+                results.append((r.status_code, time.monotonic(), np.shape(r.json().get("outputs"))))
+            except httpx.HTTPError as e:
+                results.append((type(e).__name__, time.monotonic(), None))
+
+        threads = [threading.Thread(target=send) for _ in range(12)]  # ~50 ms each
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # wait until the server holds every request
+            metrics = httpx.get(f"{url}/metrics").text
+            in_flight = next(float(x.split()[-1]) for x in metrics.splitlines()
+                             if x.startswith("attend_requests_in_flight"))
+            if in_flight >= 4:
+                break
+            time.sleep(0.02)
+        sigterm_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with pytest.raises(httpx.HTTPError):  # the listener is closed: new requests are refused
+            httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=5)
+        for t in threads:
+            t.join(timeout=60)
+        code = proc.wait(timeout=60)
+        exited_after = time.monotonic() - sigterm_at
+    assert [r[0] for r in results] == [200] * 12, results  # zero dropped
+    assert all(r[2] == (8, 256, 64) for r in results)
+    assert sum(r[1] > sigterm_at for r in results) >= 1  # some really were in flight at the signal
+    assert code in (0, -signal.SIGTERM)
+    assert exited_after < 60
