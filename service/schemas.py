@@ -56,3 +56,21 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+_ERROR_TEXT = {
+    400: "The body is not a JSON object (invalid JSON, NaN/Infinity tokens, duplicate keys)",
+    401: "An API key is needed (ATTEND_API_KEYS is set) and none or a wrong one was given",
+    404: "Unknown model",
+    413: "The body, or what it asks for, is over a limit (ATTEND_MAX_*); the message names it",
+    415: "Content-Type is not application/json",
+    422: "A field has the wrong type, shape or value; `field`, `expected` and `received` say which",
+    503: "Not ready (loading, or shutting down), a model that could not be loaded, or overloaded "
+         "(the queue is full; see Retry-After)",
+    504: "The deadline (ATTEND_REQUEST_TIMEOUT_S, or X-Request-Timeout-Ms) passed before the request ran",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, all with the one error body."""
+    return {status: {"model": ErrorBody, "description": _ERROR_TEXT[status]} for status in statuses}

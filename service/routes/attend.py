@@ -10,19 +10,11 @@ from fastapi.responses import Response
 
 from service.batching import Job
 from service.errors import InvalidRequest, NotReady, PayloadTooLarge, ServiceError, UnsupportedMediaType
-from service.schemas import AttendRequest, AttendResponse, ErrorBody, toy_request
+from service.schemas import AttendRequest, AttendResponse, error_responses, toy_request
 
 router = APIRouter()
 
-_ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in {
-    400: "The body is not a JSON object",
-    404: "Unknown model",
-    413: "The body is larger than ATTEND_MAX_BODY_BYTES",
-    415: "Content-Type is not application/json",
-    422: "A field has the wrong type, shape or value; `field`, `expected` and `received` say which",
-    503: "Not ready (loading, or shutting down), or overloaded (the queue is full; see Retry-After)",
-    504: "The deadline (ATTEND_REQUEST_TIMEOUT_S, or X-Request-Timeout-Ms) passed before the request ran",
-}.items()}
+_ERRORS = error_responses(400, 401, 404, 413, 415, 422, 503, 504)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

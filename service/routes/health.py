@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.errors import NotReady
+from service.schemas import error_responses
 
 router = APIRouter()
 metrics_router = APIRouter()  # behind the API keys, when there are any
@@ -17,7 +18,8 @@ async def live() -> dict[str, str]:
     return {"status": "alive"}
 
 
-@router.get("/health/ready", summary="Every model is loaded and warmed up (503 until then, and while stopping)")
+@router.get("/health/ready", responses=error_responses(503),
+            summary="Every model is loaded and warmed up (503 until then, and while stopping)")
 async def ready(request: Request) -> dict[str, object]:
     state = request.app.state
     if not state.ready:
@@ -25,6 +27,7 @@ async def ready(request: Request) -> dict[str, object]:
     return {"status": "ready", "models": state.registry.names()}
 
 
-@metrics_router.get("/metrics", summary="Prometheus metrics")
+@metrics_router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401),
+                    summary="Prometheus metrics (text format)")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -7,11 +7,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from service.errors import ModelNotFound
+from service.schemas import error_responses
 
 router = APIRouter()
 
 
-@router.get("/models", summary="Every model: kind, hyperparameters, feature sizes, axes, provider, version")
+@router.get("/models", responses=error_responses(401, 422),
+            summary="Every model: kind, hyperparameters, feature sizes, axes, provider, version")
 async def list_models(request: Request) -> dict[str, Any]:
     registry = request.app.state.registry
     ready = [registry.get(name).describe() | {"status": "ready"} for name in registry.names()]
@@ -20,7 +22,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"models": ready + broken}
 
 
-@router.get("/models/{name}", summary="One model")
+@router.get("/models/{name}", responses=error_responses(401, 404, 422), summary="One model")
 async def get_model(request: Request, name: str) -> dict[str, Any]:
     registry = request.app.state.registry
     model = registry.get(name)
