@@ -55,7 +55,7 @@ def main() -> int:
         return 1
     # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
     common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False,
-              "timeout_graceful_shutdown": settings.grace_period_s}
+              "timeout_graceful_shutdown": settings.grace_period_s, "limit_concurrency": settings.max_connections}
     if settings.workers == 1:
         app = create_app(settings, registry)
         GracefulServer(uvicorn.Config(app, **common), app).run()

@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(1024, ge=1, description="batch size of one request")
     max_sequence: int = Field(4096, ge=1, description="n_q and n_k of one request")
     max_features: int = Field(4096, ge=1, description="query, key and value sizes")
-    max_weight_elements: int = Field(8 * 1024 * 1024, ge=1,
+    max_weight_elements: int = Field(4 * 1024 * 1024, ge=1,
                                      description="batch * heads * n_q * n_k of one request's attention weights")
 
     # Dynamic batching (service.batching) and backpressure.
@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     max_batch_elements: int = Field(128 * 1024, ge=1, description="padded rows * heads * n_q * n_k")
     max_batch_wait_us: int = Field(0, ge=0, description="how long a batch's first request waits for others")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
+    # Connections served at once (uvicorn's limit_concurrency); more get 503. With the body limit,
+    # it bounds the memory that request bodies can hold before they are decoded.
+    max_connections: int = Field(512, ge=1)
     request_timeout_s: float = Field(30.0, gt=0, description="deadline, queue time included; "
                                      "a client may shorten it with X-Request-Timeout-Ms")
     # Bodies smaller than this are decoded on the event loop: a thread hop costs more than the parse.

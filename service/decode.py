@@ -39,7 +39,7 @@ class RequestLimits:
     batch: int = 1024
     sequence: int = 4096
     features: int = 4096
-    weight_elements: int = 8 * 1024 * 1024
+    weight_elements: int = 4 * 1024 * 1024
 
 
 @dataclass
