@@ -233,11 +233,11 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
     batch = bound["batch"]
     n_q = bound.get("n_q", bound.get("n", 0))
     n_k = bound.get("n_k", bound.get("n", 0))
-    _check_limits(limits, model, batch, n_q, n_k, feed)
     max_len = model.config.hyperparameters.get("max_len")
     if max_len is not None and n_q > max_len:
         raise InvalidShape(f"queries is a sequence of {n_q} tokens, longer than the model's max_len {max_len}",
                            field="queries", expected=[batch, f"n <= {max_len}", _pattern(model, "queries")[-1]],
                            received=list(feed["queries"].shape))
+    _check_limits(limits, model, batch, n_q, n_k, feed)
     feed["valid_lens"] = _valid_lens(data.get("valid_lens"), batch, n_q, n_k)
     return Request(model=model, feed=feed, return_weights=return_weights)
