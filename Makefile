@@ -1,7 +1,7 @@
 PYTHON ?= python3
 REPOSITORY ?= model_repository
 
-.PHONY: install export serve test lint
+.PHONY: install export serve test lint bench load soak membound
 
 install:  ## runtime + exporter + test dependencies (torch pinned to the local CPU wheel)
 	$(PYTHON) -m pip install -q -e '.[export,dev]'
@@ -21,3 +21,18 @@ test: install  ## the whole suite, as CI runs it
 
 lint:
 	$(PYTHON) -m ruff check models export service tests
+
+bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit; writes docs/benchmarks.md
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(PYTHON) bench/run.py --repository $(REPOSITORY) --out docs/benchmarks.md
+
+load:  ## locust, headless, 1 minute, against a service already running on :8000
+	$(PYTHON) -m pip install -q -e '.[load]'
+	$(PYTHON) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary
+
+soak: install $(REPOSITORY)  ## locust against a fresh service for 4 minutes, memory sampled; writes docs/soak.md
+	$(PYTHON) -m pip install -q -e '.[load]'
+	$(PYTHON) tests/load/soak.py --repository $(REPOSITORY) --minutes 4 --out docs/soak.md
+
+membound: install $(REPOSITORY)  ## peak memory of the largest requests the default limits allow
+	$(PYTHON) tests/load/membound.py
