@@ -71,7 +71,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.ready = app.state.serving = False
     app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
-    protected = [Depends(require_api_key)]
+    # Without keys there is nothing to check: no dependency at all on the request path.
+    protected = [Depends(require_api_key)] if app.state.api_keys else []
     app.include_router(attend.router, dependencies=protected)
     app.include_router(models.router, dependencies=protected)
     app.include_router(health.metrics_router, dependencies=protected)

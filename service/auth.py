@@ -14,7 +14,8 @@ class Unauthorized(ServiceError):
     status, code = 401, "unauthorized"
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
+    # async: a plain `def` dependency would cost every request a hop to the thread pool.
     keys: tuple[bytes, ...] = request.app.state.api_keys
     if not keys:
         return
