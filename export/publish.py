@@ -56,6 +56,7 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
 
     repository.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=repository, prefix=f".{name}."))
+    staging.chmod(0o755)  # mkdtemp makes it owner-only; it becomes the version folder the service reads
     try:
         model_path = staging / MODEL_FILE
         opset = export_onnx(module, kind, hp, model_path)

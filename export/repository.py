@@ -206,6 +206,7 @@ def write_config(model_dir: Path, config: ModelConfig) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(asdict(config), f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a service running as another user reads it
         os.replace(tmp, model_dir / CONFIG_FILE)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -263,3 +263,10 @@ def test_re_export_adds_a_version(tmp_path):
 def test_bad_arguments_are_refused(tmp_path, capsys, argv, message):
     assert main(["--repository", str(tmp_path / "repo"), *argv]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_published_files_are_readable_by_other_users(repository):
+    # The service may run as another user than the exporter (the container does).
+    for path in [repository / "additive" / "config.json", repository / "additive" / "1",
+                 repository / "additive" / "1" / "model.onnx"]:
+        assert path.stat().st_mode & 0o004, path
