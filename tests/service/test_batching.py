@@ -1,6 +1,7 @@
 """Dynamic batching is exact; the queue is bounded; deadlines and gone clients are honoured."""
 
 import asyncio
+import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -139,97 +140,96 @@ def _job(dataplane, body=None, timeout=5.0, disconnected=None):
     return Job(dataplane.decode(body), time.monotonic() + timeout, disconnected)
 
 
+@contextlib.asynccontextmanager
+async def busy(registry, **limits):
+    """A started scheduler whose only inference slot is taken: requests wait in its queue until
+    the test calls `scheduler.slots.release()`."""
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(**limits), 1, metrics)
+    scheduler.start()
+    await scheduler.slots.acquire()
+    try:
+        yield scheduler, metrics
+    finally:
+        await scheduler.stop()
+
+
+def runs(metrics, model):
+    return sum(b.get() for b in metrics.batch_requests.labels(model)._buckets)
+
+
 @pytest.mark.anyio
 async def test_full_queue_refuses_at_once_with_retry_after(registry, dataplane):
-    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_queue=2), 1, Metrics())
-    scheduler.start()
-    await scheduler.slots.acquire()  # the only inference slot is busy: requests wait in the queue
-    waiting = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(3)]
-    await asyncio.sleep(0.05)
-    assert waiting[2].done()
-    with pytest.raises(Overloaded) as refused:
-        waiting[2].result()
-    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
-    scheduler.slots.release()
-    results = await asyncio.gather(*waiting[:2])
-    assert all(orjson.loads(r)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]] for r in results)
-    assert scheduler.queued == 0
-    await scheduler.stop()
+    async with busy(registry, max_queue=2) as (scheduler, _):
+        waiting = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert waiting[2].done()
+        with pytest.raises(Overloaded) as refused:
+            waiting[2].result()
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+        scheduler.slots.release()
+        results = await asyncio.gather(*waiting[:2])
+        assert all(orjson.loads(r)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]] for r in results)
+        assert scheduler.queued == 0
 
 
 @pytest.mark.anyio
 async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(registry, dataplane):
-    metrics = Metrics()
-    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(), 1, metrics)
-    scheduler.start()
-    await scheduler.slots.acquire()
-    start = time.monotonic()
-    late = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=0.05)))
-    patient = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=5)))
-    with pytest.raises(DeadlineExceeded):
-        await late
-    assert time.monotonic() - start < 1.0  # answered at its deadline, not when a slot frees
-    scheduler.slots.release()
-    assert orjson.loads(await patient)["model"] == "additive"
-    # Only the patient request ran.
-    assert metrics.batch_requests.labels("additive")._sum.get() == 1
-    await scheduler.stop()
+    async with busy(registry) as (scheduler, metrics):
+        start = time.monotonic()
+        late = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=0.05)))
+        patient = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=5)))
+        with pytest.raises(DeadlineExceeded):
+            await late
+        assert time.monotonic() - start < 1.0  # answered at its deadline, not when a slot frees
+        scheduler.slots.release()
+        assert orjson.loads(await patient)["model"] == "additive"
+        assert metrics.batch_requests.labels("additive")._sum.get() == 1  # only the patient one ran
 
 
 @pytest.mark.anyio
 async def test_gone_client_is_dropped_before_its_batch_runs(registry, dataplane):
-    metrics = Metrics()
-    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(), 1, metrics)
-    scheduler.start()
-    await scheduler.slots.acquire()
-
     async def gone():
         return True
 
-    job = _job(dataplane, disconnected=gone)
-    task = asyncio.create_task(scheduler.submit(job))
-    await asyncio.sleep(0.01)
-    scheduler.slots.release()
-    with pytest.raises(ClientGone):
-        await task
-    assert metrics.batch_requests.labels("additive")._sum.get() == 0
-    await scheduler.stop()
+    async with busy(registry) as (scheduler, metrics):
+        task = asyncio.create_task(scheduler.submit(_job(dataplane, disconnected=gone)))
+        await asyncio.sleep(0.01)
+        scheduler.slots.release()
+        with pytest.raises(ClientGone):
+            await task
+        assert metrics.batch_requests.labels("additive")._sum.get() == 0
 
 
 @pytest.mark.anyio
-async def test_batches_respect_row_and_element_limits(registry, dataplane):
+@pytest.mark.parametrize("limits, expected_runs", [
+    ({"max_rows": 4}, 3),  # 2 + 2 rows, 2 + 2 rows, 2 rows
+    ({"max_elements": 2 * 3 * 3 * 2}, 3),  # two requests' padded weights fit, a third does not
+    ({"max_elements": 2 * 3 * 3}, 5),  # one request alone already fills a run
+    ({}, 1),
+])
+async def test_batches_respect_row_and_element_limits(registry, dataplane, limits, expected_runs):
     rng = np.random.default_rng(0)
     bodies = [make_body("dot_product", rng, 2, 3, 3, "absent") for _ in range(5)]
-    metrics = Metrics()
-    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_rows=4), 1, metrics)
-    scheduler.start()
-    await scheduler.slots.acquire()
-    tasks = [asyncio.create_task(scheduler.submit(_job(dataplane, b))) for b in bodies]
-    await asyncio.sleep(0.01)
-    scheduler.slots.release()
-    results = await asyncio.gather(*tasks)
-    for body, result in zip(bodies, results, strict=True):
-        assert_same(result, dataplane.attend(body))
-    rows = metrics.batch_rows.labels("dot_product")
-    assert rows._sum.get() == 10
-    # 2 + 2 rows, 2 + 2 rows, 2 rows: three runs of at most max_rows
-    assert metrics.batch_requests.labels("dot_product")._sum.get() == 5
-    assert sum(b.get() for b in metrics.batch_requests.labels("dot_product")._buckets) == 3
-    await scheduler.stop()
+    async with busy(registry, **limits) as (scheduler, metrics):
+        tasks = [asyncio.create_task(scheduler.submit(_job(dataplane, b))) for b in bodies]
+        await asyncio.sleep(0.01)
+        scheduler.slots.release()
+        results = await asyncio.gather(*tasks)
+        for body, result in zip(bodies, results, strict=True):
+            assert_same(result, dataplane.attend(body))
+        assert metrics.batch_rows.labels("dot_product")._sum.get() == 10
+        assert runs(metrics, "dot_product") == expected_runs
 
 
 @pytest.mark.anyio
 async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
-    metrics = Metrics()
-    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(enabled=False), 1, metrics)
-    scheduler.start()
-    await scheduler.slots.acquire()
-    tasks = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(4)]
-    await asyncio.sleep(0.01)
-    scheduler.slots.release()
-    await asyncio.gather(*tasks)
-    assert sum(b.get() for b in metrics.batch_requests.labels("additive")._buckets) == 4
-    await scheduler.stop()
+    async with busy(registry, enabled=False) as (scheduler, metrics):
+        tasks = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(4)]
+        await asyncio.sleep(0.01)
+        scheduler.slots.release()
+        await asyncio.gather(*tasks)
+        assert runs(metrics, "additive") == 4
 
 
 # --- over HTTP: many different concurrent requests, each equal to its own unbatched answer ----
