@@ -6,7 +6,10 @@
 #
 # Build arguments:
 #   BASE_IMAGE      a Debian/Ubuntu image with python3 (3.11, for the torch wheel) and venv;
-#                   default python:3.11-slim-bookworm
+#                   default python:3.11-slim-bookworm. Not a CUDA base image: onnxruntime-gpu 1.31 needs
+#                   CUDA 13 + cuDNN 9, and its [cuda,cudnn] extras bring exactly those as pinned wheels
+#                   (loaded by the service with onnxruntime.preload_dlls), so one small Python base serves
+#                   the export stage, the GPU image and the CPU image alike; the host gives only the driver.
 #   ORT_EXTRAS      extras of onnxruntime-gpu for the runtime stage; "cuda,cudnn" (default) brings the
 #                   CUDA 13 and cuDNN 9 libraries as wheels, "" builds the CPU-only image
 #   TORCH_WHEELS    a folder in the build context with torch-<TORCH_VERSION>+cpu wheels; when it holds
