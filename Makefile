@@ -1,7 +1,7 @@
 PYTHON ?= python3
 REPOSITORY ?= model_repository
 
-.PHONY: install export serve test lint bench load soak membound
+.PHONY: install export serve test lint bench load soak membound container-lint compose-smoke
 
 install:  ## runtime + exporter + test dependencies (torch pinned to the local CPU wheel)
 	$(PYTHON) -m pip install -q -e '.[export,dev]'
@@ -36,3 +36,9 @@ soak: install $(REPOSITORY)  ## locust against a fresh service for 4 minutes, me
 
 membound: install $(REPOSITORY)  ## peak memory of the largest requests the default limits allow
 	$(PYTHON) tests/load/membound.py
+
+container-lint:  ## hadolint, docker compose config (every profile), shellcheck; no container engine needed
+	bash tests/container/lint.sh
+
+compose-smoke:  ## (root) build and run the CPU compose stack on a private dockerd: POST /attend, locust, down
+	bash tests/container/smoke.sh
