@@ -30,9 +30,9 @@ load:  ## locust, headless, 1 minute, against a service already running on :8000
 	$(PYTHON) -m pip install -q -e '.[load]'
 	$(PYTHON) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary
 
-soak: install $(REPOSITORY)  ## locust against a fresh service for 4 minutes, memory sampled; writes docs/soak.md
+soak: install $(REPOSITORY)  ## locust against a fresh service for 4 minutes, memory sampled; pass/fail
 	$(PYTHON) -m pip install -q -e '.[load]'
-	$(PYTHON) tests/load/soak.py --repository $(REPOSITORY) --minutes 4 --out docs/soak.md
+	$(PYTHON) tests/load/soak.py --repository $(REPOSITORY) --minutes 4
 
 membound: install $(REPOSITORY)  ## peak memory of the largest requests the default limits allow
 	$(PYTHON) tests/load/membound.py

@@ -33,6 +33,7 @@ from service.dataplane import Dataplane  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.runtime import Registry  # noqa: E402
 from service.schemas import toy_request  # noqa: E402
+from tests.server import free_port  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
 
@@ -77,8 +78,8 @@ def in_process(repository: Path, bodies: dict[str, bytes], seconds: float) -> di
     return results
 
 
-def start_service(repository: Path, port: int, batching: bool) -> subprocess.Popen:
-    env = os.environ | {
+def start_service(repository: Path, port: int, batching: bool, extra: dict[str, str]) -> subprocess.Popen:
+    env = os.environ | extra | {
         "ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu",
         "ATTEND_LOG_LEVEL": "warning", "ATTEND_INTRA_OP_THREADS": "1", "ATTEND_BATCHING": str(batching).lower(),
     }
@@ -99,8 +100,8 @@ def start_service(repository: Path, port: int, batching: bool) -> subprocess.Pop
 
 
 def wrk(port: int, body_file: Path, connections: int, seconds: float) -> dict:
-    cmd = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-           "-s", str(ROOT / "bench" / "post.lua"), f"http://127.0.0.1:{port}/attend"]
+    cmd = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+           "--timeout", "10s", "-s", str(ROOT / "bench" / "post.lua"), f"http://127.0.0.1:{port}/attend"]
     out = subprocess.run(cmd, env=os.environ | {"BODY": str(body_file)}, capture_output=True, text=True, check=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
     result = json.loads(line)
@@ -124,6 +125,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measured point")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each point")
     parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--workloads", default="W1,W2,W3")
+    parser.add_argument("--set", action="append", default=[], metavar="ATTEND_X=V",
+                        help="a service setting for every run (repeatable)")
     parser.add_argument("--out", type=Path, help="also write the table (with the machine) to this markdown file")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
@@ -132,7 +136,7 @@ def main() -> int:
     if (os.cpu_count() or 1) < 2:
         print("warning: one core; server and load generator share it", file=sys.stderr)
 
-    work = workloads()
+    work = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}
     tmp = Path(tempfile.mkdtemp(prefix="attend-bench-"))
     bodies = {}
     for name, (_, body) in work.items():
@@ -143,11 +147,13 @@ def main() -> int:
 
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows = []
+    extra = dict(s.split("=", 1) for s in args.set)
     for batching in (True, False):
-        port = 18000 + int(batching)
-        proc = start_service(args.repository, port, batching)
-        try:
-            for name in work:
+        for name in work:
+            # A fresh process per workload: one workload's allocations do not colour the next.
+            port = free_port()
+            proc = start_service(args.repository, port, batching, extra)
+            try:
                 for c in concurrency:
                     print(f"{name} c={c} batching={'on' if batching else 'off'} ...", file=sys.stderr)
                     wrk(port, tmp / f"{name}.json", c, args.warmup)
@@ -155,9 +161,9 @@ def main() -> int:
                     if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
                         raise RuntimeError(f"{name} c={c}: errors {r}")
                     rows.append((name, c, batching, r))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
     shutil.rmtree(tmp)
 
     lines = ["| workload | concurrency | batching | req/s | p50 ms | p99 ms | in-process req/s | ratio |",
@@ -180,7 +186,8 @@ def main() -> int:
     print("\n" + "\n".join(legend))
     if args.out:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        text = (f"Run {stamp} on: {machine()}.\n\nCommand: `python bench/run.py --duration {args.duration:g}`; "
+        command = " ".join(["python bench/run.py", f"--duration {args.duration:g}", *(f"--set {s}" for s in args.set)])
+        text = (f"Run {stamp} on: {machine()}.\n\nCommand: `{command}`; "
                 f"server pinned to core {SERVER_CPU} (one ORT intra-op thread), wrk (1 thread) to core {LOAD_CPU}; "
                 f"{args.warmup:g} s warm-up then {args.duration:g} s per point.\n\n" + "\n".join(legend) + "\n\n"
                 + table + "\n")

@@ -36,9 +36,9 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         registry = preloaded or await anyio.to_thread.run_sync(load_registry, settings)
         app.state.registry = registry
         app.state.dataplane = Dataplane(registry, app.state.metrics, settings.request_limits())
-        app.state.limiter = anyio.CapacityLimiter(settings.inference_threads)
+        app.state.limiter = anyio.CapacityLimiter(settings.resolved_inference_threads())
         scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(),
-                              settings.inference_threads, app.state.metrics)
+                              settings.resolved_inference_threads(), app.state.metrics)
         scheduler.start()
         app.state.scheduler = scheduler
         app.state.serving = True  # stays on while draining: what reaches a handler then was sent before

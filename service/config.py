@@ -26,8 +26,9 @@ class Settings(BaseSettings):
 
     # ONNX Runtime. 0 = share the machine's cores among the workers.
     intra_op_threads: int = Field(0, ge=0)
-    # Requests run in this many threads at once (each session run uses intra_op_threads).
-    inference_threads: int = Field(2, ge=1)
+    # Session runs (and large-body decodes) at once; 0 = two, or one where the process has a single
+    # core (measured: on one core a second run only splits batches and competes for the GIL).
+    inference_threads: int = Field(0, ge=0)
     # TF32 matmuls on the GPU differ from fp32 by ~1e-3; off unless asked for.
     cuda_tf32: bool = False
     warmup: bool = True
@@ -81,10 +82,15 @@ class Settings(BaseSettings):
     def cors_origin_list(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
+    def cores(self) -> int:
+        """Cores this process may run on (taskset and cgroup cpusets count), shared by the workers."""
+        return max(1, len(os.sched_getaffinity(0)) // self.workers)
+
     def resolved_intra_op_threads(self) -> int:
-        if self.intra_op_threads:
-            return self.intra_op_threads
-        return max(1, (os.cpu_count() or 1) // self.workers)
+        return self.intra_op_threads or self.cores()
+
+    def resolved_inference_threads(self) -> int:
+        return self.inference_threads or min(2, self.cores())
 
 
 @lru_cache
