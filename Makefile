@@ -24,7 +24,7 @@ lint:
 
 bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit; writes docs/benchmarks.md
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
-	$(PYTHON) bench/run.py --repository $(REPOSITORY) --out docs/benchmarks.md
+	$(PYTHON) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
 
 load:  ## locust, headless, 1 minute, against a service already running on :8000
 	$(PYTHON) -m pip install -q -e '.[load]'

@@ -126,6 +126,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each point")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--workloads", default="W1,W2,W3")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure every point this many times, batching on and off alternating; report medians")
     parser.add_argument("--set", action="append", default=[], metavar="ATTEND_X=V",
                         help="a service setting for every run (repeatable)")
     parser.add_argument("--out", type=Path, help="also write the table (with the machine) to this markdown file")
@@ -146,24 +148,28 @@ def main() -> int:
     limit = in_process(args.repository, bodies, args.duration)
 
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    rows = []
+    measured: dict[tuple[str, int, bool], list[dict]] = {}
     extra = dict(s.split("=", 1) for s in args.set)
-    for batching in (True, False):
+    for rep in range(args.repeat):
         for name in work:
-            # A fresh process per workload: one workload's allocations do not colour the next.
-            port = free_port()
-            proc = start_service(args.repository, port, batching, extra)
-            try:
-                for c in concurrency:
-                    print(f"{name} c={c} batching={'on' if batching else 'off'} ...", file=sys.stderr)
-                    wrk(port, tmp / f"{name}.json", c, args.warmup)
-                    r = wrk(port, tmp / f"{name}.json", c, args.duration)
-                    if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
-                        raise RuntimeError(f"{name} c={c}: errors {r}")
-                    rows.append((name, c, batching, r))
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=30)
+            for batching in (True, False):  # alternating, so that drift on a shared machine hits both
+                # A fresh process per workload: one workload's allocations do not colour the next.
+                port = free_port()
+                proc = start_service(args.repository, port, batching, extra)
+                try:
+                    for c in concurrency:
+                        print(f"[{rep + 1}/{args.repeat}] {name} c={c} batching={'on' if batching else 'off'} ...",
+                              file=sys.stderr)
+                        wrk(port, tmp / f"{name}.json", c, args.warmup)
+                        r = wrk(port, tmp / f"{name}.json", c, args.duration)
+                        if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
+                            raise RuntimeError(f"{name} c={c}: errors {r}")
+                        measured.setdefault((name, c, batching), []).append(r)
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(timeout=30)
+    rows = [(name, c, batching, {key: statistics.median(r[key] for r in runs) for key in ("rps", "p50_us", "p99_us")})
+            for (name, c, batching), runs in measured.items()]
     shutil.rmtree(tmp)
 
     lines = ["| workload | concurrency | batching | req/s | p50 ms | p99 ms | in-process req/s | ratio |",
@@ -186,11 +192,13 @@ def main() -> int:
     print("\n" + "\n".join(legend))
     if args.out:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = " ".join(["python bench/run.py", f"--duration {args.duration:g}", *(f"--set {s}" for s in args.set)])
+        command = " ".join(["python bench/run.py", f"--duration {args.duration:g}", f"--repeat {args.repeat}",
+                            *(f"--set {s}" for s in args.set)])
         text = (f"Run {stamp} on: {machine()}.\n\nCommand: `{command}`; "
                 f"server pinned to core {SERVER_CPU} (one ORT intra-op thread), wrk (1 thread) to core {LOAD_CPU}; "
-                f"{args.warmup:g} s warm-up then {args.duration:g} s per point.\n\n" + "\n".join(legend) + "\n\n"
-                + table + "\n")
+                f"{args.warmup:g} s warm-up then {args.duration:g} s per point; the median of {args.repeat} "
+                f"measurements of each point, batching on and off alternating, a fresh process for each.\n\n"
+                + "\n".join(legend) + "\n\n" + table + "\n")
         args.out.write_text(text)
     return 0
 
