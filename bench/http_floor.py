@@ -1,0 +1,86 @@
+"""The cost of HTTP alone, on the same pinning as bench/run.py: uvicorn + FastAPI answering
+GET /health/live, and an app that receives each workload's body and answers a response of the
+service's size without doing any work (bench/echo_app.py), both at concurrency 1.
+
+    python bench/http_floor.py [--duration 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run import SERVER_CPU, start_service, workloads, wrk  # noqa: E402
+
+from service.dataplane import Dataplane  # noqa: E402
+from service.metrics import Metrics  # noqa: E402
+from service.runtime import Registry  # noqa: E402
+from tests.server import free_port  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--duration", type=float, default=8.0)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="attend-floor-"))
+    rows = []
+
+    port = free_port()
+    proc = start_service(args.repository, port, True, {})
+    try:
+        out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1", "-c1", f"-d{round(args.duration)}s",
+                              f"http://127.0.0.1:{port}/health/live"], capture_output=True, text=True, check=True)
+        rps = float(next(x for x in out.stdout.splitlines() if x.startswith("Requests/sec")).split()[-1])
+        rows.append(("GET /health/live (the service)", "-", f"{rps:.0f}", "-"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+    dataplane = Dataplane(Registry.load(args.repository, "cpu", 1), Metrics())
+    for name, (_, body) in workloads().items():
+        raw = json.dumps(body).encode()
+        (tmp / f"{name}.json").write_bytes(raw)
+        response = dataplane.attend(raw)
+        (tmp / f"{name}.response.json").write_bytes(response)
+        port = free_port()
+        env = os.environ | {"ECHO_RESPONSE": str(tmp / f"{name}.response.json")}
+        echo = subprocess.Popen(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "uvicorn",
+                                 "bench.echo_app:app", "--port", str(port), "--log-level", "warning"],
+                                cwd=ROOT, env=env)
+        try:
+            for _ in range(100):
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/docs", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            wrk(port, tmp / f"{name}.json", 1, 2)
+            r = wrk(port, tmp / f"{name}.json", 1, args.duration)
+            rows.append((f"echo of {name} (receive {len(raw) / 1024:.0f} KB, send {len(response) / 1024:.0f} KB)",
+                         "1", f"{r['rps']:.0f}", f"{r['p50_us'] / 1e3:.2f}"))
+        finally:
+            echo.send_signal(signal.SIGTERM)
+            echo.wait(timeout=30)
+    print("| HTTP only | concurrency | req/s | p50 ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
