@@ -16,11 +16,11 @@ serve: install $(REPOSITORY)  ## install, export the default repository if absen
 	ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PYTHON) -m service
 
 test: install  ## the whole suite, as CI runs it
-	$(PYTHON) -m ruff check models export service tests
+	$(PYTHON) -m ruff check models export service tests bench
 	$(PYTHON) -m pytest
 
 lint:
-	$(PYTHON) -m ruff check models export service tests
+	$(PYTHON) -m ruff check models export service tests bench
 
 bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit; writes docs/benchmarks.md
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
