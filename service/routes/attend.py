@@ -1,4 +1,5 @@
-"""POST /attend: thin; the work is service.dataplane's, in a worker thread."""
+"""POST /attend: thin. It decodes (service.dataplane; large bodies in a worker thread) and queues
+the request for service.batching, which runs and encodes it; no session runs on the event loop."""
 
 from __future__ import annotations
 
