@@ -6,6 +6,7 @@ dtypes and shapes) before it is used, and warmed up before the service reports r
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import time
@@ -43,8 +44,12 @@ class LoadedModel:
     def kind(self) -> str:
         return self.config.kind
 
-    def inputs(self) -> list[TensorSpec]:
+    @functools.cached_property
+    def _inputs(self) -> list[TensorSpec]:
         return self.config.input_specs()
+
+    def inputs(self) -> list[TensorSpec]:
+        return self._inputs
 
     def run(self, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(outputs, attention_weights). Thread-safe: ORT allows concurrent Run on one session."""
