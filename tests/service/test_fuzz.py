@@ -1,6 +1,8 @@
 """Property-based fuzzing of the real HTTP API from its own OpenAPI schema: no 5xx, and every
 response matches the schema (status code, content type, body)."""
 
+import os
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -25,8 +27,10 @@ def live_schema(repository):
 schema = schemathesis.pytest.from_fixture("live_schema")
 
 
+# CI replays a fixed sequence of examples; FUZZ_EXAMPLES=500 FUZZ_RANDOM=1 explores new ones.
 @schema.parametrize()
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), derandomize=not os.environ.get("FUZZ_RANDOM"),
+          deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_from_its_schema(case):
     case.call_and_validate(checks=[not_a_server_error, status_code_conformance, content_type_conformance,
                                    response_schema_conformance], timeout=30)
