@@ -9,7 +9,9 @@ flight and in the batch queue finish; then the process exits, within ATTEND_GRAC
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import sys
 from types import FrameType
 
@@ -22,6 +24,8 @@ from service.middleware import RequestIdFilter
 from service.runtime import StartupError
 
 log = logging.getLogger("service")
+# At most this long after SIGTERM for accepted connections to show their first request.
+_SETTLE_S = 1.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -32,6 +36,22 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI):
         super().__init__(config)
         self.app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Stop accepting first. Then, before uvicorn closes every connection that has no request
+        # under way, let the connections accepted just before the signal have their request
+        # parsed: their clients sent it already, and closing them would drop it unanswered.
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        loop = asyncio.get_running_loop()
+        settle_until = loop.time() + _SETTLE_S
+        while loop.time() < settle_until and any(
+            getattr(c, "cycle", None) is None for c in list(self.server_state.connections)
+        ):
+            await asyncio.sleep(0.01)
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.app.state.ready:

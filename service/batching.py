@@ -27,21 +27,9 @@ import numpy as np
 
 from service.dataplane import encode
 from service.decode import Request
-from service.errors import ServiceError
+from service.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.metrics import Metrics
 from service.runtime import LoadedModel
-
-
-class Overloaded(ServiceError):
-    status, code = 503, "overloaded"
-
-
-class DeadlineExceeded(ServiceError):
-    status, code = 504, "deadline_exceeded"
-
-
-class ClientGone(ServiceError):
-    status, code = 499, "client_closed_request"
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,22 @@ class NotReady(ServiceError):
     status, code = 503, "not_ready"
 
 
+class Overloaded(ServiceError):
+    """The batch queue is full (ATTEND_MAX_QUEUE)."""
+
+    status, code = 503, "overloaded"
+
+
+class DeadlineExceeded(ServiceError):
+    status, code = 504, "deadline_exceeded"
+
+
+class ClientGone(ServiceError):
+    """The client disconnected while its request waited (nobody reads the answer)."""
+
+    status, code = 499, "client_closed_request"
+
+
 def error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 

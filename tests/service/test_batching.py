@@ -12,18 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.batching import (
-    BatchLimits,
-    ClientGone,
-    DeadlineExceeded,
-    Job,
-    Overloaded,
-    Scheduler,
-    bucket,
-    merge,
-    run_batch,
-)
+from service.batching import BatchLimits, Job, Scheduler, bucket, merge, run_batch
 from service.dataplane import Dataplane
+from service.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.metrics import Metrics
 from service.runtime import Registry
 from service.schemas import toy_request

@@ -1,0 +1,57 @@
+"""Where the in-process time of each workload goes: JSON parse (orjson), arrays and checks
+(NumPy), the ONNX Runtime session run, and the JSON encode. One core, one ORT thread.
+
+    python bench/breakdown.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run import SERVER_CPU, workloads  # noqa: E402
+
+from service.dataplane import Dataplane, encode  # noqa: E402
+from service.metrics import Metrics  # noqa: E402
+from service.runtime import Registry  # noqa: E402
+
+
+def per_call_ms(f, seconds: float = 2.0) -> float:
+    for _ in range(5):
+        f()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        f()
+        calls += 1
+    return 1e3 * (time.perf_counter() - start) / calls
+
+
+def main() -> int:
+    os.sched_setaffinity(0, {SERVER_CPU})
+    dataplane = Dataplane(Registry.load(ROOT / "model_repository", "cpu", 1), Metrics())
+    print("| workload | body KB | JSON parse ms | arrays + checks ms | session run ms | encode ms | total ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (_, body) in workloads().items():
+        raw = json.dumps(body).encode()
+        request = dataplane.decode(raw)
+        outputs, weights = request.model.run(request.feed)
+        parse = per_call_ms(lambda raw=raw: orjson.loads(raw))
+        decode = per_call_ms(lambda raw=raw: dataplane.decode(raw))
+        run = per_call_ms(lambda r=request: r.model.run(r.feed))
+        enc = per_call_ms(lambda o=outputs, w=weights, n=name: encode(n, o, w))
+        print(f"| {name} | {len(raw) / 1024:.0f} | {parse:.3f} | {decode - parse:.3f} | {run:.3f} | {enc:.3f} | "
+              f"{decode + run + enc:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
