@@ -10,11 +10,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from export.errors import CheckpointError, ExportError
-from export.repository import signature
+from export.repository import example_feed, signature
 from models import AdditiveAttention, DotProductAttention, MultiHeadAttention, SelfAttention
 
 __all__ = ["build_module", "export_onnx", "load_checkpoint", "make_inputs"]
@@ -75,19 +76,10 @@ def load_checkpoint(module: nn.Module, path: Path, description: str) -> None:
     module.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
 
 
-def make_inputs(kind: str, hp: dict[str, Any], sizes: dict[str, int], generator: torch.Generator) -> list[torch.Tensor]:
-    """Random float inputs of `kind`'s signature with the named axes set from `sizes`; valid
-    lengths are full (every key), the caller replaces them."""
-    inputs, _ = signature(kind, hp)
-    tensors = []
-    for spec in inputs:
-        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
-        if spec.dtype == "int64":
-            n_k = sizes["n"] if kind == "self_attention" else sizes["n_k"]
-            tensors.append(torch.full(shape, n_k, dtype=torch.int64))
-        else:
-            tensors.append(torch.randn(*shape, generator=generator))
-    return tensors
+def make_inputs(kind: str, hp: dict[str, Any], sizes: dict[str, int], seed: int) -> list[torch.Tensor]:
+    """`export.repository.example_feed` as tensors, in the signature's order."""
+    feed = example_feed(kind, hp, sizes, np.random.default_rng(seed))
+    return [torch.from_numpy(a) for a in feed.values()]
 
 
 def export_onnx(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> int:
@@ -100,7 +92,7 @@ def export_onnx(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) ->
                 top = hp["max_len"] if name == "n" else None
                 dims[name] = torch.export.Dim(name, max=top) if top else torch.export.Dim(name)
     dynamic_shapes = tuple({axis: dims[name] for axis, name in spec.dynamic_axes.items()} for spec in inputs)
-    example = make_inputs(kind, hp, _EXAMPLE_SIZES, torch.Generator().manual_seed(0))
+    example = make_inputs(kind, hp, _EXAMPLE_SIZES, seed=0)
     # The exporter narrates every step on stdout and warns about things that do not concern us
     # (torchvision missing, axis renames); errors still raise.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):

@@ -30,6 +30,7 @@ __all__ = [
     "ModelConfig",
     "TensorSpec",
     "default_hyperparameters",
+    "example_feed",
     "list_models",
     "read_config",
     "sha256_of",
@@ -137,6 +138,23 @@ def valid_lens_2d(valid_lens: Any, batch: int, n_q: int, n_k: int) -> np.ndarray
     if lens.shape == (batch, n_q):
         return np.ascontiguousarray(lens)
     raise ValueError(f"valid_lens must be (batch,) = ({batch},) or (batch, n_q) = ({batch}, {n_q}), got {lens.shape}")
+
+
+def example_feed(kind: str, hp: dict[str, Any], sizes: dict[str, int],
+                 rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random float32 inputs of `kind`'s signature, the named axes sized from `sizes`, valid
+    lengths full (every key). For the exporter's example, its validation sweep and the service's
+    warm-up alike."""
+    inputs, _ = signature(kind, hp)
+    feed: dict[str, np.ndarray] = {}
+    for spec in inputs:
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
+        if spec.dtype == "int64":
+            key_axis = "n" if spec.shape[1] == "n" else "n_k"  # self_attention: keys are the queries
+            feed[spec.name] = valid_lens_2d(None, shape[0], shape[1], sizes[key_axis])
+        else:
+            feed[spec.name] = rng.standard_normal(shape, dtype=np.float32)
+    return feed
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from export.repository import ModelConfig, TensorSpec, list_models, read_config, sha256_of, valid_lens_2d
+from export.repository import ModelConfig, TensorSpec, example_feed, list_models, read_config, sha256_of
 
 log = logging.getLogger("service")
 
@@ -122,16 +122,7 @@ def _check_signature(model: LoadedModel) -> None:
 def warm_up(model: LoadedModel) -> None:
     """One run per model on small inputs, so the first client does not pay for allocation."""
     sizes = {"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
-    rng = np.random.default_rng(0)
-    feed: dict[str, np.ndarray] = {}
-    for spec in model.inputs():
-        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
-        if spec.dtype == "int64":
-            feed[spec.name] = valid_lens_2d(None, shape[0], shape[1], sizes["n"] if model.kind == "self_attention"
-                                            else sizes["n_k"])
-        else:
-            feed[spec.name] = rng.standard_normal(shape, dtype=np.float32)
-    model.run(feed)
+    model.run(example_feed(model.kind, model.config.hyperparameters, sizes, np.random.default_rng(0)))
 
 
 def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool) -> LoadedModel:
