@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run import SERVER_CPU, start_service, workloads, wrk  # noqa: E402
+from run import PIN, SERVER_CPU, service_env, workloads, wrk  # noqa: E402
 
 from service.dataplane import Dataplane  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.runtime import Registry  # noqa: E402
-from tests.server import free_port  # noqa: E402
+from tests.server import free_port, running_service  # noqa: E402
 
 
 def main() -> int:
@@ -39,16 +39,11 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="attend-floor-"))
     rows = []
 
-    port = free_port()
-    proc = start_service(args.repository, port, True, {})
-    try:
+    with running_service(args.repository, prefix=PIN, **service_env(True, {})) as (url, _):
         out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1", "-c1", f"-d{round(args.duration)}s",
-                              f"http://127.0.0.1:{port}/health/live"], capture_output=True, text=True, check=True)
+                              f"{url}/health/live"], capture_output=True, text=True, check=True)
         rps = float(next(x for x in out.stdout.splitlines() if x.startswith("Requests/sec")).split()[-1])
         rows.append(("GET /health/live (the service)", "-", f"{rps:.0f}", "-"))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
 
     dataplane = Dataplane(Registry.load(args.repository, "cpu", 1), Metrics())
     for name, (_, body) in workloads().items():

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +31,10 @@ from service.dataplane import Dataplane  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 from service.runtime import Registry  # noqa: E402
 from service.schemas import toy_request  # noqa: E402
-from tests.server import free_port  # noqa: E402
+from tests.server import running_service  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
+PIN = ("taskset", "-c", str(SERVER_CPU))
 
 
 def workloads() -> dict[str, tuple[str, dict]]:
@@ -78,25 +77,9 @@ def in_process(repository: Path, bodies: dict[str, bytes], seconds: float) -> di
     return results
 
 
-def start_service(repository: Path, port: int, batching: bool, extra: dict[str, str]) -> subprocess.Popen:
-    env = os.environ | extra | {
-        "ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu",
-        "ATTEND_LOG_LEVEL": "warning", "ATTEND_INTRA_OP_THREADS": "1", "ATTEND_BATCHING": str(batching).lower(),
-    }
-    proc = subprocess.Popen(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "service"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("service not ready in 60 s")
+def service_env(batching: bool, extra: dict[str, str]) -> dict[str, str]:
+    """The settings every measured service runs with: one ORT thread on its one core."""
+    return {"ATTEND_INTRA_OP_THREADS": "1", "ATTEND_BATCHING": str(batching).lower(), **extra}
 
 
 def wrk(port: int, body_file: Path, connections: int, seconds: float) -> dict:
@@ -154,9 +137,8 @@ def main() -> int:
         for name in work:
             for batching in (True, False):  # alternating, so that drift on a shared machine hits both
                 # A fresh process per workload: one workload's allocations do not colour the next.
-                port = free_port()
-                proc = start_service(args.repository, port, batching, extra)
-                try:
+                with running_service(args.repository, prefix=PIN, **service_env(batching, extra)) as (url, _):
+                    port = int(url.rsplit(":", 1)[1])
                     for c in concurrency:
                         print(f"[{rep + 1}/{args.repeat}] {name} c={c} batching={'on' if batching else 'off'} ...",
                               file=sys.stderr)
@@ -165,9 +147,6 @@ def main() -> int:
                         if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
                             raise RuntimeError(f"{name} c={c}: errors {r}")
                         measured.setdefault((name, c, batching), []).append(r)
-                finally:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=30)
     rows = [(name, c, batching, {key: statistics.median(r[key] for r in runs) for key in ("rps", "p50_us", "p99_us")})
             for (name, c, batching), runs in measured.items()]
     shutil.rmtree(tmp)

@@ -34,7 +34,6 @@ class LoadedModel:
     config: ModelConfig
     session: ort.InferenceSession
     provider: str
-    path: Path
 
     @property
     def name(self) -> str:
@@ -152,7 +151,7 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
             f"ATTEND_DEVICE=cuda but model {config.name} runs on {provider}: CUDA could not be loaded "
             f"(needs an NVIDIA GPU, CUDA 13 and cuDNN 9; available providers: {ort.get_available_providers()})"
         )
-    model = LoadedModel(config=config, session=session, provider=provider, path=path)
+    model = LoadedModel(config=config, session=session, provider=provider)
     _check_signature(model)
     return model
 

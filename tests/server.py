@@ -8,8 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -24,19 +25,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_service(repository: Path, timeout: float = 60.0, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Yield (base URL, process) once /health/ready answers 200; stop the process afterwards."""
+def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[str] = (),
+                    **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yield (base URL, process) once /health/ready answers 200; stop the process afterwards.
+
+    `prefix` goes before the command (e.g. `taskset -c 0`). The log goes to a file, not a pipe
+    nobody reads, which a long run would fill until the service blocks on it.
+    """
     port = free_port()
     environ = os.environ | {"ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository),
                             "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"} | env
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "service"], cwd=ROOT, env=environ,
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the service exited with {proc.returncode}: {proc.stderr.read()}")
+                log.seek(0)
+                raise RuntimeError(f"the service exited with {proc.returncode}: {log.read()}")
             try:
                 if httpx.get(f"{url}/health/ready", timeout=1).status_code == 200:
                     break
@@ -54,3 +62,4 @@ def running_service(repository: Path, timeout: float = 60.0, **env: str) -> Iter
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        log.close()

@@ -1,5 +1,6 @@
 """Start-up failures (stop with one line, or skip behind a setting) and SIGTERM under load."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,8 +31,6 @@ def _corrupt_file(repo):
     path = repo / "additive" / "1" / "model.onnx"
     path.write_bytes(b"\x08\x07garbage" * 100)
     config = json.loads((repo / "additive" / "config.json").read_text())
-    import hashlib
-
     config["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()  # the hash fits: the file is just bad
     (repo / "additive" / "config.json").write_text(json.dumps(config))
 
