@@ -3,8 +3,9 @@
 The models are loaded before uvicorn starts, so a repository that cannot be served stops the
 process with a one-line reason and exit code 1, before any port is open.
 
-SIGTERM (and SIGINT): readiness turns 503 at once and new requests are refused; requests in
-flight and in the batch queue finish; then the process exits, within ATTEND_GRACE_PERIOD_S.
+SIGTERM (and SIGINT): readiness turns 503 at once; the listener closes half a second later (new
+connections are refused from then on); requests in flight and in the batch queue finish; then the
+process exits, within ATTEND_GRACE_PERIOD_S.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from service.middleware import RequestIdFilter
 from service.runtime import StartupError
 
 log = logging.getLogger("service")
-# At most this long after SIGTERM for accepted connections to show their first request.
+# After SIGTERM: the listener stays open this long, then accepted connections get at most
+# _SETTLE_S to show their first request.
+_ACCEPT_S = 0.5
 _SETTLE_S = 1.0
 
 
@@ -38,9 +41,13 @@ class GracefulServer(uvicorn.Server):
         self.app = app
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # Stop accepting first. Then, before uvicorn closes every connection that has no request
-        # under way, let the connections accepted just before the signal have their request
-        # parsed: their clients sent it already, and closing them would drop it unanswered.
+        # Readiness is off already. Keep accepting a moment first: connections whose handshake
+        # the kernel finished before the signal wait in the accept queue with their request sent,
+        # and closing the listener would reset them (the event loop may not have had the GIL to
+        # accept them: a large body's decode holds it for ~100 ms).
+        await asyncio.sleep(_ACCEPT_S)
+        # Then stop accepting and, before uvicorn closes every connection that has no request
+        # under way, let the accepted ones have their request parsed, for the same reason.
         for server in self.servers:
             server.close()
         for sock in sockets or []:
