@@ -12,9 +12,11 @@
 #                   the export stage, the GPU image and the CPU image alike; the host gives only the driver.
 #   ORT_EXTRAS      extras of onnxruntime-gpu for the runtime stage; "cuda,cudnn" (default) brings the
 #                   CUDA 13 and cuDNN 9 libraries as wheels, "" builds the CPU-only image
-#   TORCH_WHEELS    a folder in the build context with torch-<TORCH_VERSION>+cpu wheels; when it holds
-#                   none, torch comes from TORCH_INDEX_URL (the CPU build, never the CUDA one)
-#   TORCH_VERSION / TORCH_INDEX_URL
+#   TORCH_WHEELS    a folder in the build context with the torch+cpu wheel of requirements.lock; when it
+#                   holds none, torch comes from TORCH_INDEX_URL (the CPU build, never the CUDA one)
+#   TORCH_INDEX_URL
+#
+# Every package is installed at the version requirements.lock gives (pip's constraints).
 #
 # Only the classic builder's features are used (no RUN --mount, no heredocs, no named contexts), so it
 # builds with BuildKit and with the plain engine alike.
@@ -34,17 +36,19 @@ RUN python3 -m venv /opt/venv \
     && useradd --system --uid 10001 --gid attend --create-home --home-dir /home/attend \
         --shell /usr/sbin/nologin attend
 WORKDIR /app
-# The project's requirement lists, read from pyproject.toml (a code change leaves this layer alone).
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-o = p['optional-dependencies']; w = lambda f, r: open(f, 'w').write('\n'.join(r) + '\n'); \
-w('/tmp/requirements.txt', p['dependencies']); w('/tmp/requirements-export.txt', o['export']); \
-w('/tmp/requirements-load.txt', o['load'] + [r for r in p['dependencies'] if r.startswith('numpy')])"
+# The project's requirements, each list from pyproject.toml, each installed at the versions of
+# requirements.lock (used as constraints); a code change leaves these layers alone.
+COPY pyproject.toml requirements.lock ./
+COPY scripts/lock.py ./scripts/lock.py
+RUN python scripts/lock.py requirements >/tmp/requirements.txt \
+    && python scripts/lock.py requirements export | grep -v -x -F -f /tmp/requirements.txt >/tmp/requirements-export.txt \
+    && { python scripts/lock.py requirements load | grep -v -x -F -f /tmp/requirements.txt; \
+         grep '^numpy' /tmp/requirements.txt; } >/tmp/requirements-load.txt
 
 # ---------------------------------------------------------------- locust: the load generator
 FROM base AS locust
 # locust, and numpy at the runtime's pin (the locustfile makes its request bodies with it).
-RUN pip install -r /tmp/requirements-load.txt
+RUN pip install -c requirements.lock -r /tmp/requirements-load.txt
 COPY tests/load/locustfile.py ./tests/load/locustfile.py
 USER 10001:10001
 ENTRYPOINT ["locust", "-f", "/app/tests/load/locustfile.py"]
@@ -53,20 +57,18 @@ CMD ["--headless", "--users", "8", "--spawn-rate", "8", "--run-time", "30s", "--
 
 # ---------------------------------------------------------------- export: torch (CPU) writes /models
 FROM base AS export
-ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_WHEELS=tests/container/wheels
 # pyproject.toml is listed so that the COPY has a source when the wheel folder is empty or absent.
 COPY pyproject.toml ${TORCH_WHEELS}/torch-*.whl /tmp/wheels/
-# The exact "+cpu" pin: pip can never fall back to the registry's build with GBs of CUDA wheels.
+# The lock pins torch's "+cpu" build: pip can never fall back to the registry's build with GBs of CUDA wheels.
 RUN if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then \
-        pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}+cpu"; \
+        set -- --find-links /tmp/wheels; \
     else \
-        pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
-            "torch==${TORCH_VERSION}+cpu"; \
+        set -- --extra-index-url "${TORCH_INDEX_URL}"; \
     fi \
-    && rm -rf /tmp/wheels \
-    && pip install -r /tmp/requirements.txt -r /tmp/requirements-export.txt
+    && pip install "$@" -c requirements.lock -r /tmp/requirements.txt -r /tmp/requirements-export.txt \
+    && rm -rf /tmp/wheels
 COPY models ./models
 COPY export ./export
 # The exporter writes config.json and version folders owner-only (mkstemp/mkdtemp): the service runs
@@ -77,7 +79,7 @@ RUN python -m export --repository /models && chmod -R a+rX /models
 FROM base AS runtime
 ARG ORT_EXTRAS=cuda,cudnn
 # "onnxruntime-gpu[]" (ORT_EXTRAS empty) adds nothing to the pinned requirement.
-RUN pip install -r /tmp/requirements.txt "onnxruntime-gpu[${ORT_EXTRAS}]" \
+RUN pip install -c requirements.lock -r /tmp/requirements.txt "onnxruntime-gpu[${ORT_EXTRAS}]" \
     && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the runtime image" >&2; exit 1; fi
 COPY --from=export /models /models
 # The service reads export/repository.py (torch-free); the exporter modules are not imported.

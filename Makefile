@@ -1,41 +1,66 @@
+# On a fresh machine (Python 3.11+, make): `make serve` and `make test`. Both make the project's virtual
+# environment ($(VENV)) and install into it from requirements.lock, never into the system Python; the
+# install runs again only when the lock changed since the last one.
 PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
 REPOSITORY ?= model_repository
+# Extras of pyproject.toml installed into the venv (the gpu extra's CUDA wheels are for the GPU image).
+EXTRAS ?= export dev load
+# torch's CPU build comes from the PyTorch CPU index, unless a folder of PIP_FIND_LINKS has the wheel.
+TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))),,https://download.pytorch.org/whl/cpu)
+PIP_TOOLS := pip-tools==7.6.2
+LINT := $(PY) -m ruff check models export service tests bench scripts
 
-.PHONY: install export serve test lint bench load soak membound container-lint compose-smoke
+.PHONY: install check-lock lock export serve test lint bench load soak membound container-lint compose-smoke
 
-install:  ## runtime + exporter + test dependencies (torch pinned to the local CPU wheel)
-	$(PYTHON) -m pip install -q -e '.[export,dev]'
+check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
+	@$(PYTHON) scripts/lock.py check
+
+$(VENV)/.installed: requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) scripts/lock.py requirements $(EXTRAS) >$(VENV)/requirements.txt
+	$(PY) -m pip install -q -c requirements.lock -r $(VENV)/requirements.txt \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	@touch $@
+
+install: check-lock $(VENV)/.installed  ## the venv: runtime, exporter, tests and locust, at the locked versions
+
+lock:  ## resolve every dependency of every extra again (after editing pyproject.toml) into requirements.lock
+	@test -x $(VENV)-lock/bin/pip-compile || ($(PYTHON) -m venv $(VENV)-lock && $(VENV)-lock/bin/pip install -q $(PIP_TOOLS))
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)-lock/bin/pip-compile -q --all-extras --strip-extras \
+		--no-emit-index-url --no-emit-find-links $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		-o requirements.lock pyproject.toml
+	$(PYTHON) scripts/lock.py stamp
 
 export: install  ## (re)export the default repository
-	$(PYTHON) -m export --repository $(REPOSITORY)
+	$(PY) -m export --repository $(REPOSITORY)
 
 $(REPOSITORY):
-	$(PYTHON) -m export --repository $(REPOSITORY)
+	$(MAKE) export
 
 serve: install $(REPOSITORY)  ## install, export the default repository if absent, serve it on :8000
-	ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PYTHON) -m service
+	ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PY) -m service
 
-test: install  ## the whole suite, as CI runs it
-	$(PYTHON) -m ruff check models export service tests bench
-	$(PYTHON) -m pytest
+test: install  ## lint, then the whole suite, as CI runs it
+	$(LINT)
+	$(PY) -m pytest
 
-lint:
-	$(PYTHON) -m ruff check models export service tests bench
+lint: install
+	$(LINT)
 
 bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit; writes docs/benchmarks.md
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
-	$(PYTHON) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
+	$(PY) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
 
-load:  ## locust, headless, 1 minute, against a service already running on :8000
-	$(PYTHON) -m pip install -q -e '.[load]'
-	$(PYTHON) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary
+load: install  ## locust, headless, 1 minute, against a service already running on :8000
+	$(PY) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary
 
 soak: install $(REPOSITORY)  ## locust against a fresh service for 4 minutes, memory sampled; pass/fail
-	$(PYTHON) -m pip install -q -e '.[load]'
-	$(PYTHON) tests/load/soak.py --repository $(REPOSITORY) --minutes 4
+	$(PY) tests/load/soak.py --repository $(REPOSITORY) --minutes 4
 
 membound: install $(REPOSITORY)  ## peak memory of the largest requests the default limits allow
-	$(PYTHON) tests/load/membound.py
+	$(PY) tests/load/membound.py
 
 container-lint:  ## hadolint, docker compose config (every profile), shellcheck; no container engine needed
 	bash tests/container/lint.sh
