@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from service.app import create_app, load_registry
 from service.config import get_settings
-from service.middleware import RequestIdFilter
+from service.middleware import configure_logging
 from service.runtime import StartupError
 
 log = logging.getLogger("service")
@@ -39,6 +39,11 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI):
         super().__init__(config)
         self.app = app
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info("serving on %s (API docs: %s/docs)", *[serving_url(self)] * 2)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Readiness is off already. Keep accepting a moment first: connections whose handshake
@@ -69,19 +74,28 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def serving_url(server: uvicorn.Server) -> str:
+    """Where a client on this machine reaches the server (the port really bound, when 0 was asked)."""
+    host, port = server.config.host, server.config.port
+    for listener in server.servers:
+        for sock in listener.sockets:
+            host, port = sock.getsockname()[:2]
+            break
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def main() -> int:
     settings = get_settings()
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
-    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
+    configure_logging(settings.log_level)
     try:
         registry = load_registry(settings)
     except StartupError as e:
         log.critical("cannot start: %s", e)
         return 1
     # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
-    common = {"host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False,
+    common = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
               "timeout_graceful_shutdown": settings.grace_period_s, "limit_concurrency": settings.max_connections}
     if settings.workers == 1:
         app = create_app(settings, registry)

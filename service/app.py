@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 
 from service.auth import require_api_key
 from service.batching import Scheduler
@@ -16,7 +17,7 @@ from service.config import Settings, get_settings
 from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
-from service.middleware import RequestContext
+from service.middleware import RequestContext, configure_logging
 from service.routes import attend, health, models
 from service.runtime import Registry
 
@@ -58,7 +59,9 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:
     """The app; it loads the repository in its lifespan, or serves `registry` if given."""
     settings = settings or get_settings()
-    app = FastAPI(
+    # FastAPIOffline: /docs and /redoc with Swagger UI's and ReDoc's assets served from the package,
+    # not from a CDN, so they work without internet.
+    app = FastAPIOffline(
         title="attend",
         version="0.1.0",
         description="The attention mechanisms of Dive into Deep Learning (masked softmax, additive, scaled "
@@ -87,4 +90,6 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
 def create_app_from_env() -> FastAPI:
     """uvicorn's factory for worker processes: settings from the environment."""
-    return create_app(get_settings())
+    settings = get_settings()
+    configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
+    return create_app(settings)

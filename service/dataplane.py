@@ -12,10 +12,9 @@ import time
 import numpy as np
 import orjson
 
-from service.decode import Request, RequestLimits, decode, parse_json, resolve_model
-from service.errors import ServiceError
+from service.decode import Request, RequestLimits, decode_body
 from service.metrics import Metrics
-from service.runtime import LoadedModel, Registry
+from service.runtime import Registry
 
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
@@ -29,14 +28,7 @@ class Dataplane:
     def decode(self, body: bytes) -> Request:
         """Raises ServiceError subclasses for bad input, with `.model` set to the model's name
         once it is known (for the metrics' label)."""
-        model: LoadedModel | None = None
-        try:
-            data = parse_json(body)
-            model = resolve_model(data, self.registry)
-            return decode(data, model, self.limits)
-        except ServiceError as e:
-            e.model = model.name if model else None
-            raise
+        return decode_body(body, self.registry, self.limits)
 
     def attend(self, body: bytes) -> bytes:
         """Decode, run and encode one request, in the calling thread."""

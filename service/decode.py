@@ -1,18 +1,31 @@
-"""JSON body -> validated NumPy arrays, without a nested-list pydantic model on the way.
+"""`/attend`'s JSON body -> validated NumPy arrays, without a nested-list model on the way.
 
-orjson parses the body; each array field becomes one NumPy array, checked for type, rank,
-emptiness and finiteness; the shapes are then checked together against the model's declared
-signature (`export.repository.signature`), naming the field, the expected and the received shape.
+Two paths give the same arrays:
+
+- Fast (every body): simdjson parses the body; each array field is exported as one flat buffer of
+  doubles (`as_buffer`), its shape read from the lengths of its rows. `as_buffer` refuses anything but
+  numbers (booleans, nulls, strings) and flattens nested arrays, so the shapes are also checked
+  against the body's count of '[': an array nested where a number belongs adds brackets that no shape
+  accounts for. Duplicate keys are counted on the parsed object (simdjson keeps them).
+- Precise (only where the fast path cannot vouch for a field, which is a client error but for rare
+  cases such as integers beyond 64 bits): the field as Python lists, walked row by row, naming the
+  first element that is wrong (`keys[1][3] is null`, `queries is ragged: ...`).
+
+Errors speak JSON, not Python: "got null", "got a string", never NoneType or NumPy's messages.
+`build_request` then checks the arrays together against the model's signature; the Open Inference
+Protocol's codec, which has arrays already, calls it too.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
+import simdjson
 
 from export.repository import TensorSpec, valid_lens_2d
 from service.errors import (
@@ -22,14 +35,18 @@ from service.errors import (
     ModelNotFound,
     ModelUnavailable,
     PayloadTooLarge,
+    ServiceError,
 )
 from service.runtime import LoadedModel, Registry
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values")
-FIELDS = {"model", *ARRAY_FIELDS, "valid_lens", "return_weights"}
+FIELDS = ("model", *ARRAY_FIELDS, "valid_lens", "return_weights")
+_FIELD_SET = frozenset(FIELDS)
 _F32_MAX = float(np.finfo(np.float32).max)
 _MAX_DEPTH = 8
+_NUMBERS = frozenset({int, float})
+_EXCERPT = 64  # characters of a client's string quoted back in an error
 
 
 @dataclass(frozen=True)
@@ -49,32 +66,206 @@ class Request:
     return_weights: bool
 
 
-def _numeric_array(value: Any, field: str) -> np.ndarray:
-    if not isinstance(value, list):
-        raise InvalidRequest(f"{field} must be a nested list of numbers, got {type(value).__name__}", field=field)
-    depth, probe = 0, value
-    while isinstance(probe, list) and probe and depth <= _MAX_DEPTH:
-        probe, depth = probe[0], depth + 1
-    if depth > _MAX_DEPTH:  # absurdly deep: refuse before numpy walks it (a few levels get the rank error)
-        raise InvalidShape(f"{field} is nested deeper than {_MAX_DEPTH} levels; it must be 3-D", field=field)
+def excerpt(text: str) -> str:
+    """A client's string as quoted in an error: at most a short prefix of it."""
+    return repr(text) if len(text) <= _EXCERPT else repr(text[:_EXCERPT]) + f"... ({len(text)} characters)"
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | simdjson.Array):
+        return "an array"
+    return "an object"
+
+
+# ----------------------------------------------------------------------------------------- parsing
+
+
+def _not_json(body: bytes) -> InvalidJSON:
+    """Why orjson refuses the body, in JSON's words."""
     try:
-        arr = np.array(value)
-    except (ValueError, TypeError, RecursionError) as e:
-        # numpy names the inhomogeneous axis: "... after 1 dimensions. The detected shape was (2,) + ..."
-        raise InvalidShape(f"{field} is ragged: every row must have the same length ({e})", field=field) from e
-    if arr.dtype.kind not in "iuf":
-        if arr.dtype.kind == "O":
-            raise InvalidShape(f"{field} is ragged or holds non-numbers: every row must have the same length",
-                               field=field)
-        if arr.size == 0:
-            return arr.astype(np.float64)
-        what = {"b": "booleans", "U": "strings"}.get(arr.dtype.kind, str(arr.dtype))
-        raise InvalidRequest(f"{field} must contain only numbers, got {what}", field=field)
+        orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno}"
+        token = body[e.pos:e.pos + 9].lstrip(b"-")
+        if token.startswith((b"NaN", b"Infinity")):
+            return InvalidJSON(f"the request body is not valid JSON: NaN and Infinity are not JSON numbers ({where})")
+        if "infinity" in e.msg:
+            return InvalidJSON(f"the request body is not valid JSON: a number is beyond a double's range ({where})")
+        return InvalidJSON(f"the request body is not valid JSON: {e.msg} ({where})")
+    return InvalidJSON("the request body is not valid JSON")
+
+
+def _duplicate(keys: list[str]) -> None:
+    if len(keys) != len(set(keys)):
+        seen: set[str] = set()
+        for key in keys:
+            if key in seen:
+                raise InvalidJSON(f"duplicate key {excerpt(key)} in the request body", field=key[:_EXCERPT])
+            seen.add(key)
+
+
+def parse(body: bytes) -> dict[str, Any]:
+    """The top-level object: values are simdjson proxies (arrays) or plain values. Raises InvalidJSON."""
+    if not body:
+        raise InvalidJSON("the request body is empty; expected a JSON object")
+    try:
+        # A parser per body: it is cheap (~1 us) and its buffers, as large as the body, go with it.
+        document = simdjson.Parser().parse(body)
+    except (ValueError, RuntimeError, UnicodeDecodeError):
+        return _parse_slowly(body)
+    if not isinstance(document, simdjson.Object):
+        raise InvalidJSON(f"the request body must be a JSON object, got {json_type(document)}")
+    keys = list(document.keys())
+    _duplicate(keys)
+    return {key: document[key] for key in keys}
+
+
+def _parse_slowly(body: bytes) -> dict[str, Any]:
+    """What simdjson refuses: invalid JSON (orjson says why), or integers beyond 64 bits, which orjson
+    reads as floats; duplicate keys then need the standard library's parser (only on this rare path)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _not_json(body) from None
+    if not isinstance(data, dict):
+        raise InvalidJSON(f"the request body must be a JSON object, got {json_type(data)}")
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        _duplicate([key for key, _ in items])
+        return dict(items)
+
+    json.loads(body, object_pairs_hook=pairs)
+    return data
+
+
+# ------------------------------------------------------------------------------------------ arrays
+
+
+def _fast_array(node: Any) -> tuple[np.ndarray, int] | None:
+    """(float64 array, the number of JSON arrays it is made of), or None when the node is not a
+    rectangular, non-empty array of numbers as far as can be told cheaply."""
+    if not isinstance(node, simdjson.Array):
+        return None
+    shape = []
+    probe = node
+    while isinstance(probe, simdjson.Array):
+        if len(shape) == _MAX_DEPTH or not len(probe):
+            return None
+        shape.append(len(probe))
+        probe = probe[0]
+    level, brackets = [node], 1
+    for size in shape[1:]:
+        rows = []
+        for parent in level:
+            for child in parent:
+                if not isinstance(child, simdjson.Array) or len(child) != size:
+                    return None
+                rows.append(child)
+        level = rows
+        brackets += len(rows)
+    try:
+        flat = np.frombuffer(node.as_buffer(of_type="d"), dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):  # a non-number somewhere
+        return None
+    if flat.size != math.prod(shape):
+        return None
+    return flat.reshape(shape), brackets
+
+
+def _as_python(node: Any) -> Any:
+    return node.as_list() if isinstance(node, simdjson.Array) else node.as_dict() \
+        if isinstance(node, simdjson.Object) else node
+
+
+def _shape_of(value: Any, field: str, what: str) -> tuple[int, ...]:
+    """The shape of a rectangular nested list of numbers; otherwise an error naming the first
+    element that does not fit (in the order a reader would look for it)."""
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{field} must be {what}, got {json_type(value)}", field=field)
+    shape: list[int] = []
+    probe = value
+    while isinstance(probe, list):
+        if len(shape) == _MAX_DEPTH:
+            raise InvalidShape(f"{field} is nested deeper than {_MAX_DEPTH} levels; it must be {what}", field=field)
+        shape.append(len(probe))
+        if not probe:
+            break
+        probe = probe[0]
+    if shape[-1] == 0:
+        return tuple(shape)  # empty somewhere along the first path: the caller names it
+    level: list[tuple[str, Any]] = [(field, value)]
+    for depth, size in enumerate(shape):
+        last = depth == len(shape) - 1
+        first = field + "[0]" * depth
+        below = []
+        for path, node in level:
+            if not isinstance(node, list):
+                raise InvalidShape(f"{field} is ragged: {path} is {json_type(node)} where {first} is an array",
+                                   field=field)
+            if len(node) != size:
+                raise InvalidShape(f"{field} is ragged: {path} has {len(node)} items, {first} has {size}; "
+                                   "every row must have the same length", field=field)
+            if last:
+                if set(map(type, node)) <= _NUMBERS:
+                    continue
+                for i, x in enumerate(node):
+                    if type(x) not in _NUMBERS:
+                        kind = "an array" if isinstance(x, list) else json_type(x)
+                        raise (InvalidShape if kind == "an array" else InvalidRequest)(
+                            f"{path}[{i}] is {kind}: {field} must hold only numbers", field=field)
+            else:
+                below.extend((f"{path}[{i}]", x) for i, x in enumerate(node))
+        level = below
+    return tuple(shape)
+
+
+def _precise_array(node: Any, field: str, what: str) -> np.ndarray:
+    value = _as_python(node)
+    shape = _shape_of(value, field, what)
+    if 0 in shape:
+        return np.zeros(shape, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        return np.array(value, dtype=np.float64)  # integers beyond a double become inf, refused later
+
+
+@dataclass
+class _Arrays:
+    """The array fields of one body as float64, the JSON arrays they were made of, and whether
+    every one took the fast path (only then does the body's count of '[' say anything)."""
+
+    values: dict[str, np.ndarray]
+    brackets: int = 0
+    all_fast: bool = True
+
+
+def _array(node: Any, field: str, what: str, arrays: _Arrays) -> np.ndarray:
+    fast = _fast_array(node)
+    if fast is None:
+        arrays.all_fast = False
+        return _precise_array(node, field, what)
+    arr, brackets = fast
+    arrays.brackets += brackets
     return arr
 
 
-def _float_array(value: Any, field: str, model: LoadedModel) -> np.ndarray:
-    arr = _numeric_array(value, field)
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
+    spec = next(s for s in model.inputs() if s.name == field)
+    bound = bound or {}
+    return [bound.get(d, d) if isinstance(d, str) else d for d in spec.shape]
+
+
+def _float32(arr: np.ndarray, field: str, model: LoadedModel) -> np.ndarray:
     if arr.ndim != 3:
         raise InvalidShape(f"{field} must be 3-D (batch, n, features), got {arr.ndim}-D", field=field,
                            expected=_pattern(model, field), received=list(arr.shape))
@@ -82,16 +273,10 @@ def _float_array(value: Any, field: str, model: LoadedModel) -> np.ndarray:
         raise InvalidShape(f"{field} must not be empty", field=field, expected=_pattern(model, field),
                            received=list(arr.shape))
     with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused just below
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if not np.isfinite(arr).all():
+        out = arr.astype(np.float32)
+    if not np.isfinite(out).all():
         raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
-    return arr
-
-
-def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
-    spec = next(s for s in model.inputs() if s.name == field)
-    bound = bound or {}
-    return [bound.get(d, d) if isinstance(d, str) else d for d in spec.shape]
+    return out
 
 
 def _bind(spec: TensorSpec, arr: np.ndarray, bound: dict[str, int], first_seen: dict[str, str],
@@ -116,75 +301,27 @@ def _bind(spec: TensorSpec, arr: np.ndarray, bound: dict[str, int], first_seen: 
             first_seen[want] = spec.name
 
 
-def _valid_lens(value: Any, batch: int, n_q: int, n_k: int) -> np.ndarray:
-    if value is None:
+def _check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -> np.ndarray:
+    """(batch, n_q) int64 from absent, (batch,) or (batch, n_q) whole numbers in 0..n_k."""
+    if lens is None:
         return valid_lens_2d(None, batch, n_q, n_k)
     field = "valid_lens"
-    expected = f"null, [batch] = [{batch}] or [batch, n_q] = [{batch}, {n_q}]"
-    if not isinstance(value, list):
-        raise InvalidRequest(f"valid_lens must be null or a list of integers, got {type(value).__name__}",
-                             field=field, expected=expected)
-    arr = _numeric_array(value, field)
-    if arr.size and arr.dtype.kind == "f":
-        raise InvalidRequest("valid_lens must be integers", field=field, expected=expected)
-    if arr.shape not in ((batch,), (batch, n_q)):
-        raise InvalidShape(f"valid_lens must have shape (batch,) or (batch, n_q), got {arr.shape}", field=field,
-                           expected=expected, received=list(arr.shape))
-    if arr.size and (arr.min() < 0 or arr.max() > n_k):
-        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+    shapes = f"null, [batch] = [{batch}] or [batch, n_q] = [{batch}, {n_q}]"
+    if lens.shape not in ((batch,), (batch, n_q)):
+        raise InvalidShape(f"valid_lens must have shape [batch] or [batch, n_q], got {list(lens.shape)}", field=field,
+                           expected=shapes, received=list(lens.shape))
+    if lens.dtype.kind == "f":
+        whole = np.isfinite(lens) & (lens == np.floor(lens))
+        if not whole.all():
+            bad = float(lens[~whole].flat[0])
+            raise InvalidRequest(f"valid_lens must be whole numbers, got {bad}", field=field,
+                                 expected=f"integers from 0 to n_k = {n_k}", received=bad)
+    if lens.size and (lens.min() < 0 or lens.max() > n_k):
+        bad = lens.min() if lens.min() < 0 else lens.max()
+        bad = int(bad) if abs(bad) < 2**63 else float(bad)
         raise InvalidRequest(f"valid_lens must be between 0 and n_k = {n_k}, got {bad}", field=field,
                              expected=f"0 <= valid_len <= {n_k}", received=bad)
-    return valid_lens_2d(arr, batch, n_q, n_k)
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    if not body:
-        raise InvalidJSON("the request body is empty; expected a JSON object")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidJSON(f"the request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InvalidJSON(f"the request body must be a JSON object, got {type(data).__name__}")
-    _refuse_duplicate_keys(body, data)
-    return data
-
-
-def _refuse_duplicate_keys(body: bytes, data: dict[str, Any]) -> None:
-    """orjson keeps the last of duplicate keys silently. Only the top level can hold keys (every
-    other value is a number array), so a cheap count finds candidates and the slow parser with
-    `object_pairs_hook` confirms them; any escape (a key spelled with \\u...) takes the slow path."""
-    # Each key brings two quotes, and so does each string value; a duplicate key brings two that
-    # the parsed object does not account for (as do escaped quotes, which take the slow path too).
-    quotes = 2 * (len(data) + sum(isinstance(v, str) for v in data.values()))
-    if body.count(b'"') == quotes and b"\\" not in body:  # one byte: a memchr, not a substring search
-        return
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen = set()
-        for key, _ in items:
-            if key in seen:
-                raise InvalidJSON(f"duplicate key {key!r} in the request body", field=key)
-            seen.add(key)
-        return dict(items)
-
-    json.loads(body, object_pairs_hook=pairs)
-
-
-def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
-    unknown = sorted(set(data) - FIELDS)
-    if unknown:
-        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}; expected: {', '.join(sorted(FIELDS))}",
-                             field=unknown[0])
-    name = data.get("model", DEFAULT_MODEL)
-    if not isinstance(name, str):
-        raise InvalidRequest(f"model must be a string, got {type(name).__name__}", field="model")
-    model = registry.get(name)
-    if model is None and name in registry.broken:
-        raise ModelUnavailable(f"model {name!r} could not be loaded: {registry.broken[name]}", field="model")
-    if model is None:
-        raise ModelNotFound(f"unknown model {name!r}; available: {', '.join(registry.names())}", field="model")
-    return model
+    return valid_lens_2d(lens.astype(np.int64), batch, n_q, n_k)
 
 
 def _check_limits(limits: RequestLimits, model: LoadedModel, batch: int, n_q: int, n_k: int,
@@ -208,30 +345,19 @@ def _check_limits(limits: RequestLimits, model: LoadedModel, batch: int, n_q: in
                "ATTEND_MAX_WEIGHT_ELEMENTS")
 
 
-def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = RequestLimits()) -> Request:
-    """The request for `model` from the parsed JSON object `data`."""
-    return_weights = data.get("return_weights", True)
-    if not isinstance(return_weights, bool):
-        raise InvalidRequest(f"return_weights must be true or false, got {type(return_weights).__name__}",
-                             field="return_weights")
-
-    specs = [s for s in model.inputs() if s.name != "valid_lens"]
-    wanted = {s.name for s in specs}
-    for field in ARRAY_FIELDS:
-        if field in wanted and data.get(field) is None:
-            raise InvalidRequest(f"{field} is required for model {model.name}", field=field,
-                                 expected=_pattern(model, field))
-        if field not in wanted and data.get(field) is not None:
-            raise InvalidRequest(f"model {model.name} ({model.kind}) takes no {field}: its keys and values are "
-                                 "the queries", field=field)
+def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens: np.ndarray | None,
+                  return_weights: bool, limits: RequestLimits) -> Request:
+    """The request for `model` from its input tensors (any float dtype, checked and made float32)
+    and valid lengths (absent, or any numeric dtype): shapes bound against the signature, limits."""
     bound: dict[str, int] = {}
     first_seen: dict[str, str] = {}
     feed: dict[str, np.ndarray] = {}
-    for spec in specs:
-        arr = _float_array(data[spec.name], spec.name, model)
+    for spec in model.inputs():
+        if spec.name == "valid_lens":
+            continue
+        arr = _float32(tensors[spec.name], spec.name, model)
         _bind(spec, arr, bound, first_seen, model)
         feed[spec.name] = arr
-
     batch = bound["batch"]
     n_q = bound.get("n_q", bound.get("n", 0))
     n_k = bound.get("n_k", bound.get("n", 0))
@@ -241,5 +367,68 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
                            field="queries", expected=[batch, f"n <= {max_len}", _pattern(model, "queries")[-1]],
                            received=list(feed["queries"].shape))
     _check_limits(limits, model, batch, n_q, n_k, feed)
-    feed["valid_lens"] = _valid_lens(data.get("valid_lens"), batch, n_q, n_k)
+    feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
     return Request(model=model, feed=feed, return_weights=return_weights)
+
+
+# ------------------------------------------------------------------------------------------ /attend
+
+
+def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
+    unknown = [key for key in data if key not in _FIELD_SET]
+    if unknown:
+        raise InvalidRequest(f"unknown field {excerpt(unknown[0])}; expected: {', '.join(FIELDS)}",
+                             field=unknown[0][:_EXCERPT])
+    name = data.get("model", DEFAULT_MODEL)
+    if not isinstance(name, str):
+        raise InvalidRequest(f"model must be a string (a name of GET /models), got {json_type(name)}", field="model")
+    model = registry.get(name)
+    if model is None and name in registry.broken:
+        raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}", field="model")
+    if model is None:
+        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field="model")
+    return model
+
+
+def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = RequestLimits(),
+           body: bytes | None = None) -> Request:
+    """The request for `model` from the parsed body `data` (values simdjson proxies or plain)."""
+    return_weights = data.get("return_weights", True)
+    if not isinstance(return_weights, bool):
+        raise InvalidRequest(f"return_weights must be true or false, got {json_type(return_weights)}",
+                             field="return_weights")
+    wanted = {s.name for s in model.inputs()}
+    for field in ARRAY_FIELDS:
+        if field in wanted and data.get(field) is None:
+            raise InvalidRequest(f"{field} is required for model {model.name}", field=field,
+                                 expected=_pattern(model, field))
+        if field not in wanted and data.get(field) is not None:
+            raise InvalidRequest(f"model {model.name} ({model.kind}) takes no {field}: its keys and values are "
+                                 "the queries", field=field)
+    arrays = _Arrays({})
+    what = "an array of arrays of arrays of numbers (batch, n, features)"
+    for field in ARRAY_FIELDS:
+        if field in wanted:
+            arrays.values[field] = _array(data[field], field, what, arrays)
+    lens = data.get("valid_lens")
+    if lens is not None:
+        lens = _array(lens, "valid_lens", "null or an array of integers (batch) or (batch, n_q)", arrays)
+    if body is not None and arrays.all_fast and body.count(b"[") != arrays.brackets:
+        # An array nested where a number belongs (as_buffer flattened it): the precise path names it.
+        for field in arrays.values:
+            arrays.values[field] = _precise_array(data[field], field, what)
+        if lens is not None:
+            lens = _precise_array(data["valid_lens"], "valid_lens", "an array of integers")
+    return build_request(model, arrays.values, lens, return_weights, limits)
+
+
+def decode_body(body: bytes, registry: Registry, limits: RequestLimits = RequestLimits()) -> Request:
+    """POST /attend's body -> Request. Raises ServiceError subclasses for bad input, with `.model`
+    set to the model's name once it is known (for the metrics' label)."""
+    data = parse(body)
+    model = resolve_model(data, registry)
+    try:
+        return decode(data, model, limits, body)
+    except ServiceError as e:
+        e.model = model.name
+        raise

@@ -26,6 +26,17 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+def configure_logging(level: str) -> None:
+    """One format for every line, the request ID in each. uvicorn logs through it too (it is given
+    log_config=None); its start-up chatter only at debug. Worker processes call this again."""
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    if level != "debug":
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp):
         self.app = app

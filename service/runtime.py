@@ -6,10 +6,16 @@ dtypes and shapes) before it is used, and warmed up before the service reports r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
+import os
+import re
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ class LoadedModel:
     config: ModelConfig
     session: ort.InferenceSession
     provider: str
+    cuda_failure: str = ""  # why CUDA was not used, where it was asked for
 
     @property
     def name(self) -> str:
@@ -106,6 +113,50 @@ def _preload_cuda() -> None:
             log.debug("onnxruntime.preload_dlls failed: %s", e)
 
 
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[list[str]]:
+    """What the process writes to fd 2 meanwhile (ONNX Runtime logs from C++, past Python's logging):
+    the list holds it once the block is left."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    captured: list[str] = []
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            captured.append(tmp.read().decode(errors="replace"))
+
+
+def _cuda_failure(ort_log: str) -> str:
+    """The reason ONNX Runtime gave for not loading CUDA, in one line (its log has colours and paths)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", ort_log)
+    found = re.search(r"Failed to load library \S+ with error: ([^\n]+)", text)
+    if found:
+        return found.group(1).strip()
+    found = re.search(r"\[E:onnxruntime[^\]]*\] ([^\n]+)", text)
+    return found.group(1).strip()[:300] if found else "no reason logged"
+
+
+def _new_session(path: Path, options: ort.SessionOptions, providers: list[Any]) -> tuple[ort.InferenceSession, str]:
+    """The session, and why CUDA was not loaded when it was asked for and the session fell back.
+
+    Where CUDA cannot load, ONNX Runtime logs a red error and a warning, then runs on the CPU: on a
+    machine without a GPU that is the expected outcome, said once by the caller in one line, so its
+    log is captured here rather than shown."""
+    if CUDA not in str(providers):
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers), ""
+    with _stderr_captured() as captured:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    if session.get_providers()[0] == CUDA:
+        sys.stderr.write(captured[0])  # nothing to hide: pass on whatever it said
+        return session, ""
+    return session, _cuda_failure(captured[0])
+
+
 def _check_signature(model: LoadedModel) -> None:
     got_in = [(i.name, i.type, list(i.shape)) for i in model.session.get_inputs()]
     want_in = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.input_specs()]
@@ -141,17 +192,15 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     try:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        session, cuda_failure = _new_session(path, options, providers)
     except Exception as e:
         raise StartupError(f"model {config.name}: ONNX Runtime cannot load {path}: {e}") from e
     # ORT falls back to the CPU silently when CUDA cannot load: report what really runs.
     provider = session.get_providers()[0]
     if require_cuda and provider != CUDA:
-        raise StartupError(
-            f"ATTEND_DEVICE=cuda but model {config.name} runs on {provider}: CUDA could not be loaded "
-            f"(needs an NVIDIA GPU, CUDA 13 and cuDNN 9; available providers: {ort.get_available_providers()})"
-        )
-    model = LoadedModel(config=config, session=session, provider=provider)
+        raise StartupError(f"ATTEND_DEVICE=cuda but CUDA cannot be used ({cuda_failure}); it needs an NVIDIA GPU "
+                           "and driver, CUDA 13 and cuDNN 9 (pip install 'onnxruntime-gpu[cuda,cudnn]')")
+    model = LoadedModel(config=config, session=session, provider=provider, cuda_failure=cuda_failure)
     _check_signature(model)
     return model
 
@@ -204,13 +253,13 @@ class Registry:
                 broken[model_dir.name] = reason
                 log.error("skipping model %s: %s", model_dir.name, reason)
                 continue
+            if device == "auto" and model.provider != CUDA and CUDA in str(providers):
+                # Tried once, fell back: spare the other models the same failed attempt.
+                log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
+                providers = [CPU]
             models[model.name] = model
             log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind,
                      model.config.version, model.provider, time.perf_counter() - start)
-            if device == "auto" and model.provider != CUDA and CUDA in str(providers):
-                # Tried once, fell back: spare the other models the same failed attempt (and its log).
-                log.warning("CUDA execution provider unavailable; every model runs on %s", model.provider)
-                providers = [CPU]
         if not models:
             raise StartupError(f"no model of {repository} can be served: " + "; ".join(broken.values()))
         return cls(models, broken)

@@ -25,17 +25,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[str] = (),
+def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[str] = (), log_path: Path | None = None,
                     **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yield (base URL, process) once /health/ready answers 200; stop the process afterwards.
 
-    `prefix` goes before the command (e.g. `taskset -c 0`). The log goes to a file, not a pipe
-    nobody reads, which a long run would fill until the service blocks on it.
+    `prefix` goes before the command (e.g. `taskset -c 0`). The log goes to a file (`log_path`, or a
+    temporary one), not a pipe nobody reads, which a long run would fill until the service blocks on it.
     """
     port = free_port()
     environ = os.environ | {"ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository),
                             "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"} | env
-    log = tempfile.TemporaryFile(mode="w+")
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([*prefix, sys.executable, "-m", "service"], cwd=ROOT, env=environ,
                             stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"

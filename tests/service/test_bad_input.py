@@ -39,6 +39,7 @@ def seq(n, d=100):
 
 
 # (id, body (dict -> JSON, bytes -> raw), status, code, field, expected, received)
+# The message of many is checked word for word in MESSAGES below.
 CASES = [
     ("not-json", b"{not json", 400, "invalid_json", None, None, None),
     ("empty-body", b"", 400, "invalid_json", None, None, None),
@@ -52,7 +53,7 @@ CASES = [
     ("queries-number", toy(queries=1.5), 422, "invalid_request", "queries", None, None),
     ("strings-in-queries", toy(queries=[[["a"] * 20]] * 2), 422, "invalid_request", "queries", None, None),
     ("booleans-in-keys", toy(keys=[[[True, False]] * 10] * 2), 422, "invalid_request", "keys", None, None),
-    ("null-in-values", toy(values=[[[None] * 4] * 10] * 2), 422, "invalid_shape", "values", None, None),
+    ("null-in-values", toy(values=[[[None] * 4] * 10] * 2), 422, "invalid_request", "values", None, None),
     ("ragged-queries", toy(queries=[[[0.0] * 20], [[0.0] * 19]]), 422, "invalid_shape", "queries", None, None),
     ("ragged-depth", toy(keys=[[[1.0, 1.0]] * 10, [1.0] * 10]), 422, "invalid_shape", "keys", None, None),
     ("queries-2d", toy(queries=[[0.0] * 20] * 2), 422, "invalid_shape", "queries", ["batch", "n_q", 20], [2, 20]),
@@ -92,7 +93,52 @@ CASES = [
      "queries", None, [1, 1001, 2]),
     ("self-attention-max-len", {"model": "self_attention", "queries": seq(1001)}, 422, "invalid_shape",
      "queries", [1, "n <= 1000", 100], [1, 1001, 100]),
+    ("model-null", toy(model=None), 422, "invalid_request", "model", None, None),
+    ("model-boolean", toy(model=True), 422, "invalid_request", "model", None, None),
+    ("ragged-keys-rows", toy(keys=[K[0], K[1][:9]]), 422, "invalid_shape", "keys", None, None),
+    ("boolean-among-numbers", toy(queries=[[[True] + [0.5] * 19]] * 2), 422, "invalid_request", "queries", None,
+     None),
+    ("lens-boolean", toy(valid_lens=[True, 1]), 422, "invalid_request", "valid_lens", None, None),
+    ("lens-2d-fraction", toy(valid_lens=[[2.0], [0.5]]), 422, "invalid_request", "valid_lens",
+     "integers from 0 to n_k = 10", 0.5),
+    ("array-among-numbers", toy(keys=[K[0], K[1][:9] + [[[1.0], 1.0]]]), 422, "invalid_shape", "keys", None, None),
+    ("string-among-numbers", toy(values=[V[0], V[1][:9] + [[0.0, 1.0, "2", 3.0]]]), 422, "invalid_request",
+     "values", None, None),
+    ("lens-null-inside", toy(valid_lens=[2, None]), 422, "invalid_request", "valid_lens", None, None),
+    ("unknown-field-long", toy(**{"x" * 10000: 1}), 422, "invalid_request", "x" * 64, None, None),
+    ("unknown-model-long", toy(model="m" * 100000), 404, "model_not_found", "model", None, None),
 ]
+
+# The exact words of a client error: JSON's vocabulary, where the problem is, nothing of Python's.
+MESSAGES = [
+    ("model-null", "model must be a string (a name of GET /models), got null"),
+    ("model-boolean", "model must be a string (a name of GET /models), got a boolean"),
+    ("model-not-string", "model must be a string (a name of GET /models), got a number"),
+    ("queries-string", "queries must be an array of arrays of arrays of numbers (batch, n, features), got a string"),
+    ("ragged-keys-rows", "keys is ragged: keys[1] has 9 items, keys[0] has 10; every row must have the same length"),
+    ("ragged-queries", "queries is ragged: queries[1][0] has 19 items, queries[0][0] has 20; every row must have "
+     "the same length"),
+    ("ragged-depth", "keys is ragged: keys[1][0] is a number where keys[0][0] is an array"),
+    ("boolean-among-numbers", "queries[0][0][0] is a boolean: queries must hold only numbers"),
+    ("booleans-in-keys", "keys[0][0][0] is a boolean: keys must hold only numbers"),
+    ("null-in-values", "values[0][0][0] is null: values must hold only numbers"),
+    ("string-among-numbers", "values[1][9][2] is a string: values must hold only numbers"),
+    ("array-among-numbers", "keys[1][9][0] is an array: keys must hold only numbers"),
+    ("lens-boolean", "valid_lens[0] is a boolean: valid_lens must hold only numbers"),
+    ("lens-null-inside", "valid_lens[1] is null: valid_lens must hold only numbers"),
+    ("lens-fraction", "valid_lens must be whole numbers, got 2.5"),
+    ("lens-2d-fraction", "valid_lens must be whole numbers, got 0.5"),
+    ("lens-string", "valid_lens must be null or an array of integers (batch) or (batch, n_q), got a string"),
+    ("nan-token", "the request body is not valid JSON: NaN and Infinity are not JSON numbers (line 1 column 16)"),
+    ("infinity-token", "the request body is not valid JSON: NaN and Infinity are not JSON numbers (line 1 column 16)"),
+    ("unknown-field", "unknown field 'valid_len'; expected: model, queries, keys, values, valid_lens, return_weights"),
+    ("unknown-field-long", "unknown field '" + "x" * 64 + "'... (10000 characters); expected: model, queries, keys, "
+     "values, valid_lens, return_weights"),
+    ("unknown-model-long", "unknown model '" + "m" * 64 + "'... (100000 characters); available: additive, "
+     "dot_product, multi_head, self_attention"),
+]
+_PYTHON_WORDS = ("NoneType", "numpy", "inhomogeneous", "dtype", "ndarray", "float64", "'list'", "'dict'", "'str'",
+                 "Traceback", "setting an array element", "object of type", "'bool'")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -105,11 +151,39 @@ def test_bad_input(client, case):
     assert set(response.json()) == {"error"}
     assert error["code"] == code
     assert error.get("field") == field
-    assert error["message"] and "Traceback" not in error["message"]
+    assert error["message"] and not any(word in error["message"] for word in _PYTHON_WORDS), error["message"]
+    assert len(response.content) < 2048  # a short excerpt of the client's input at most, never all of it
     if expected is not None:
         assert error["expected"] == expected
     if received is not None:
         assert error["received"] == received
+
+
+@pytest.mark.parametrize("case", MESSAGES, ids=[c[0] for c in MESSAGES])
+def test_error_messages_speak_the_api(client, case):
+    name, message = case
+    body = next(c[1] for c in CASES if c[0] == name)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.post("/attend", content=content, headers={"content-type": "application/json"})
+    assert response.json()["error"]["message"] == message
+
+
+def test_integral_float_lengths_are_lengths(client):
+    """What `tensor.tolist()` of a float tensor gives: 2.0 is the length 2."""
+    ints = client.post("/attend", json=toy(valid_lens=[2, 6])).json()
+    for lens in ([2.0, 6.0], [2.0, 6], [[2.0], [6.0]]):
+        response = client.post("/attend", json=toy(valid_lens=lens))
+        assert response.status_code == 200, response.text
+        assert response.json() == ints
+
+
+def test_integers_beyond_64_bits_are_numbers(client):
+    """JSON allows them; simdjson does not parse them, the slower path does."""
+    big = 12345678901234567890123
+    body = json.dumps(dot(values=[[[big] * 4] * 10] * 2)).encode()
+    response = client.post("/attend", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose(response.json()["outputs"], np.full((2, 1, 4), np.float32(big)), rtol=1e-6)
 
 
 def test_messages_say_what_is_wrong(client):

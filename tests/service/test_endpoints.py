@@ -86,7 +86,7 @@ def test_cuda_without_a_gpu_refuses_to_start(settings):
             Registry.load(settings.model_repository, "cuda", 1, warmup=False)
             pytest.skip("this machine has a working CUDA execution provider")
         except StartupError as e:
-            assert "ATTEND_DEVICE=cuda but model" in str(e) and "CUDA could not be loaded" in str(e)
+            assert "ATTEND_DEVICE=cuda but CUDA cannot be used (" in str(e) and "CUDA 13 and cuDNN 9" in str(e)
     else:
         with pytest.raises(StartupError):
             Registry.load(settings.model_repository, "cuda", 1, warmup=False)
@@ -110,3 +110,19 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
 def test_the_service_does_not_import_torch():
     code = "import sys, service.app, service.__main__; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_work_without_internet(client, page):
+    """Every script, stylesheet and image of the docs pages comes from the service itself."""
+    import re
+
+    html = client.get(page).text
+    assert "openapi.json" in html
+    urls = re.findall(r'(?:src|href)=["\']([^"\']+)["\']|url: *["\']([^"\']+)["\']', html)
+    urls = [u for pair in urls for u in pair if u]
+    assert urls, html
+    for url in urls:
+        assert not re.match(r"^(https?:)?//", url), f"{page} loads {url} from another host"
+        assert client.get(url).status_code == 200, url
+    assert not re.findall(r"https?://", html)  # no other host named anywhere in the page

@@ -36,3 +36,34 @@ def test_missing_repository_stops_the_process_with_the_reason(tmp_path):
                             timeout=60)
     assert result.returncode != 0
     assert f"model repository {tmp_path / 'nowhere'} does not exist" in result.stderr
+
+
+def test_a_start_without_cuda_says_so_in_one_line(repository, tmp_path):
+    """ATTEND_DEVICE=auto on a machine without CUDA: one clear line, none of ONNX Runtime's errors."""
+    import onnxruntime as ort
+
+    log = tmp_path / "service.log"
+    with running_service(repository, log_path=log, ATTEND_DEVICE="auto", ATTEND_LOG_LEVEL="info") as (url, _):
+        providers = {m["provider"] for m in httpx.get(f"{url}/models").json()["models"]}
+    if providers == {"CUDAExecutionProvider"}:
+        pytest.skip("this machine has CUDA")
+    text = log.read_text()
+    said = [line for line in text.splitlines() if "CUDA" in line]
+    assert len(said) == 1, text
+    assert "no CUDA here (" in said[0] and "the CPU execution provider serves every model" in said[0]
+    if "CUDAExecutionProvider" in ort.get_available_providers():  # onnxruntime-gpu: it did try, and said why
+        assert "cannot open shared object file" in said[0] or "CUDA" in said[0]
+    assert "[E:onnxruntime" not in text and "Failed to load library" not in text and "Traceback" not in text
+    assert f"serving on {url}" in text
+
+
+def test_cuda_required_without_cuda_is_one_line_and_exit_1(repository):
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cuda"}
+    result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    if result.returncode == 0:
+        pytest.skip("this machine has CUDA")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1
+    assert len(lines) == 1, result.stderr
+    assert "cannot start: ATTEND_DEVICE=cuda but CUDA cannot be used (" in lines[0]
