@@ -18,7 +18,7 @@ from export.errors import CheckpointError, ExportError
 from export.repository import example_feed, signature
 from models import AdditiveAttention, DotProductAttention, MultiHeadAttention, SelfAttention
 
-__all__ = ["build_module", "export_onnx", "load_checkpoint", "make_inputs"]
+__all__ = ["build_module", "export_onnx", "load_checkpoint", "make_inputs", "read_state_dict", "sizes_from_state"]
 
 # Each export logs that torchvision's operators are skipped: true, and of no concern here.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -46,8 +46,8 @@ def build_module(kind: str, hp: dict[str, Any]) -> nn.Module:
     return module.eval()
 
 
-def load_checkpoint(module: nn.Module, path: Path, description: str) -> None:
-    """Load a state_dict saved from the book's classes (or ours); every mismatch is named."""
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The state_dict saved at `path` (`torch.save(module.state_dict(), path)`)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:
@@ -58,6 +58,35 @@ def load_checkpoint(module: nn.Module, path: Path, description: str) -> None:
         state = state.state_dict()
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"checkpoint {path} is not a state_dict (a mapping of names to tensors)")
+    return state
+
+
+# Which weight tells each size: (parameter, axis). nn.Linear's weight is (out_features, in_features).
+_SIZES_FROM: dict[str, dict[str, tuple[str, int]]] = {
+    "additive": {"num_hiddens": ("W_k.weight", 0), "key_size": ("W_k.weight", 1), "query_size": ("W_q.weight", 1)},
+    "multi_head": {"num_hiddens": ("W_q.weight", 0), "query_size": ("W_q.weight", 1), "key_size": ("W_k.weight", 1),
+                   "value_size": ("W_v.weight", 1)},
+    "self_attention": {"num_hiddens": ("W_q.weight", 0)},
+}
+
+
+def sizes_from_state(kind: str, state: dict[str, torch.Tensor]) -> dict[str, tuple[Any, str]]:
+    """The hyperparameters a checkpoint's shapes imply, each with the evidence: {name: (value, why)}.
+    What the shapes cannot tell (num_heads, max_len) is not here; a parameter that is missing or of
+    the wrong rank is left to `load_checkpoint`, which names it."""
+    implied: dict[str, tuple[Any, str]] = {}
+    for name, (key, axis) in _SIZES_FROM.get(kind, {}).items():
+        weight = state.get(key)
+        if weight is not None and weight.dim() == 2:
+            implied[name] = (int(weight.shape[axis]), f"{key} has shape {tuple(weight.shape)}")
+    if kind in ("multi_head", "self_attention") and "W_q.weight" in state:
+        implied["bias"] = ("W_q.bias" in state, "W_q.bias is " + ("there" if "W_q.bias" in state else "absent"))
+    return implied
+
+
+def load_checkpoint(module: nn.Module, path: Path, description: str) -> None:
+    """Load a state_dict saved from the book's classes (or ours); every mismatch is named."""
+    state = read_state_dict(path)
     expected = module.state_dict()
     problems = []
     missing = sorted(set(expected) - set(state))

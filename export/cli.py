@@ -1,8 +1,12 @@
 """`python -m export`: the default repository, or one model of your own.
 
-    python -m export                                  # the book's four configurations
-    python -m export --kind additive --name mine --checkpoint additive.pt \
-        --key-size 2 --query-size 20 --num-hiddens 8
+    python -m export                                                # the book's configurations
+    python -m export --kind additive --name mine --checkpoint additive.pt
+    python -m export --kind multi_head --name mha --checkpoint mha.pt --num-heads 5
+
+With a checkpoint, the sizes come from its parameter shapes; what shapes cannot tell (--num-heads,
+--max-len) is asked for by name, and a flag that contradicts the checkpoint is an error naming the
+value the checkpoint implies.
 """
 
 from __future__ import annotations
@@ -44,24 +48,50 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def hyperparameters(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The kind's book defaults, overridden by the flags given; a flag that the kind does not
-    take is an error."""
+# What a checkpoint's shapes cannot tell, per kind: asked for by name when a checkpoint is given.
+_NOT_IN_SHAPES: dict[str, tuple[str, ...]] = {
+    "multi_head": ("num_heads",),
+    "self_attention": ("num_heads", "max_len"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def hyperparameters(kind: str, args: argparse.Namespace,
+                    implied: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
+    """The kind's hyperparameters: from the checkpoint's shapes (`implied`, with the evidence) where
+    one is given, else the book's defaults; overridden by the flags given, which must agree with the
+    checkpoint. A flag that the kind does not take is an error."""
     given = {f: getattr(args, f) for f in _ALL_FLAGS if getattr(args, f) is not None}
     foreign = sorted(set(given) - set(_FLAGS[kind]))
     if foreign:
-        flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
+        flags = ", ".join(_flag(f) for f in foreign)
         raise ExportError(f"{flags} do(es) not apply to kind {kind}; it takes: "
-                          + (", ".join("--" + f.replace("_", "-") for f in _FLAGS[kind]) or "none"))
+                          + (", ".join(_flag(f) for f in _FLAGS[kind]) or "none"))
     hp = default_hyperparameters(kind)
-    if kind == "multi_head" and "num_hiddens" in given:
+    if implied is not None:
+        for name, value in given.items():
+            if name in implied and implied[name][0] != value:
+                shown = value if name != "bias" else "(given)"
+                raise ExportError(f"{_flag(name)} {shown} contradicts the checkpoint: {implied[name][1]}, so "
+                                  f"{name} is {implied[name][0]}; leave the flag out or fix it")
+        needed = [name for name in _NOT_IN_SHAPES.get(kind, ()) if name not in given]
+        if needed:
+            hidden = implied.get("num_hiddens", (None, ""))[0]
+            why = f" (num_hiddens = {hidden})" if hidden else ""
+            raise ExportError(" and ".join(_flag(n) for n in needed) + f" needed: a checkpoint's shapes do not tell "
+                              f"{' or '.join(needed)}{why}; e.g. " + " ".join(f"{_flag(n)} N" for n in needed))
+        hp.update({name: value for name, (value, _) in implied.items()})
+    elif kind == "multi_head" and "num_hiddens" in given:
         # The book's multi-head examples use key = query = value size = num_hiddens.
         for size in ("key_size", "query_size", "value_size"):
             hp[size] = given["num_hiddens"]
     hp.update(given)
     for key, value in hp.items():
         if key != "bias" and value <= 0:
-            raise ExportError(f"--{key.replace('_', '-')} must be positive, got {value}")
+            raise ExportError(f"{_flag(key)} must be positive, got {value}")
     return hp
 
 
@@ -76,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ExportError("--name, --checkpoint and size flags need --kind")
             jobs = [(kind, kind, default_hyperparameters(kind), None) for kind in KINDS]
         else:
-            jobs = [(args.name or args.kind, args.kind, hyperparameters(args.kind, args), args.checkpoint)]
+            implied = None
+            if args.checkpoint is not None:
+                from export.build import read_state_dict, sizes_from_state
+
+                implied = sizes_from_state(args.kind, read_state_dict(args.checkpoint))
+            jobs = [(args.name or args.kind, args.kind, hyperparameters(args.kind, args, implied), args.checkpoint)]
         for name, kind, hp, checkpoint in jobs:
             start = time.perf_counter()
             config = export_model(args.repository, name, kind, hp, checkpoint=checkpoint, seed=args.seed)

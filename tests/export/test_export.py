@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+import models
 from export.build import build_module, export_onnx
 from export.cli import main
 from export.errors import ValidationError
@@ -170,8 +171,7 @@ def test_checkpoint_round_trip_additive(tmp_path):
     ckpt = tmp_path / "additive.pt"
     torch.save(theirs.state_dict(), ckpt)
     repo = tmp_path / "repo"
-    assert main(["--repository", str(repo), "--kind", "additive", "--name", "mine", "--checkpoint", str(ckpt),
-                 "--key-size", "3", "--query-size", "5", "--num-hiddens", "7"]) == 0
+    assert main(["--repository", str(repo), "--kind", "additive", "--name", "mine", "--checkpoint", str(ckpt)]) == 0
     config = read_config(repo / "mine")
     assert config.kind == "additive" and config.hyperparameters == {"key_size": 3, "query_size": 5, "num_hiddens": 7}
     Q, K, V = torch.randn(4, 3, 5), torch.randn(4, 6, 3), torch.randn(4, 6, 2)
@@ -194,9 +194,10 @@ def test_checkpoint_round_trip_multi_head_with_bias(tmp_path):
     torch.save(theirs.state_dict(), ckpt)
     repo = tmp_path / "repo"
     assert main(["--repository", str(repo), "--kind", "multi_head", "--name", "mha", "--checkpoint", str(ckpt),
-                 "--key-size", "6", "--query-size", "4", "--value-size", "5", "--num-hiddens", "12",
-                 "--num-heads", "3", "--bias"]) == 0
+                 "--num-heads", "3"]) == 0
     config = read_config(repo / "mha")
+    assert config.hyperparameters == {"key_size": 6, "query_size": 4, "value_size": 5, "num_hiddens": 12,
+                                      "num_heads": 3, "bias": True}
     Q, K, V = torch.randn(2, 5, 4), torch.randn(2, 8, 6), torch.randn(2, 8, 5)
     lens = torch.tensor([[1, 2, 3, 8, 8], [4, 5, 6, 7, 8]])
     out, weights = _session(repo / "mha" / config.model_file).run(None, {
@@ -218,9 +219,88 @@ def test_mismatched_checkpoint_is_named_and_nothing_is_written(tmp_path, capsys)
     assert code == 1
     assert "missing keys: w_v.weight" in err
     assert "unexpected keys: extra.weight" in err
-    assert "W_k.weight: expected shape (8, 2), checkpoint has (7, 3)" in err
-    assert "W_q.weight: expected shape (8, 20), checkpoint has (7, 5)" in err
     assert "Traceback" not in err
+    assert not repo.exists() or _entries(repo) == []
+
+
+def test_a_checkpoint_whose_shapes_disagree_is_named(tmp_path, capsys):
+    state = book.AdditiveAttention(key_size=3, query_size=5, num_hiddens=7, dropout=0).state_dict()
+    state["W_q.weight"] = torch.zeros(8, 5)  # W_k says 7 hidden units
+    ckpt = tmp_path / "bad.pt"
+    torch.save(state, ckpt)
+    assert main(["--repository", str(tmp_path / "repo"), "--kind", "additive", "--checkpoint", str(ckpt)]) == 1
+    assert "W_q.weight: expected shape (7, 5), checkpoint has (8, 5)" in capsys.readouterr().err
+
+
+def _book_module(kind):
+    """A module of the book's classes with sizes none of the defaults have, and the flags that
+    shapes cannot tell."""
+    if kind == "dot_product":
+        return book.DotProductAttention(0.0), []
+    if kind == "additive":
+        return book.AdditiveAttention(key_size=4, query_size=9, num_hiddens=6, dropout=0.0), []
+    if kind == "multi_head":
+        return book.MultiHeadAttention(3, 7, 11, 10, 2, 0.0, bias=False), ["--num-heads", "2"]
+    return book.MultiHeadAttention(12, 12, 12, 12, 4, 0.0, bias=True), ["--num-heads", "4", "--max-len", "50"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoints_of_any_size_export_without_size_flags(tmp_path, kind):
+    torch.manual_seed(11)
+    module, flags = _book_module(kind)
+    ckpt = tmp_path / "ck.pt"
+    torch.save(module.eval().state_dict(), ckpt)
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", kind, "--name", "mine", "--checkpoint", str(ckpt), *flags]) == 0
+    config = read_config(repo / "mine")
+    expected = {
+        "dot_product": {},
+        "additive": {"key_size": 4, "query_size": 9, "num_hiddens": 6},
+        "multi_head": {"key_size": 3, "query_size": 7, "value_size": 11, "num_hiddens": 10, "num_heads": 2,
+                       "bias": False},
+        "self_attention": {"num_hiddens": 12, "num_heads": 4, "max_len": 50, "bias": True},
+    }[kind]
+    assert config.hyperparameters == expected
+    # The exported graph computes what the book's module does, on sizes of the checkpoint's own.
+    rng = np.random.default_rng(0)
+    d_q = expected.get("query_size", expected.get("num_hiddens", 5))
+    d_k = expected.get("key_size", expected.get("num_hiddens", 5))
+    d_v = expected.get("value_size", expected.get("num_hiddens", 3))
+    Q = rng.standard_normal((2, 3, d_q), dtype=np.float32)
+    K = rng.standard_normal((2, 4, d_k), dtype=np.float32)
+    V = rng.standard_normal((2, 4, d_v), dtype=np.float32)
+    lens = np.array([2, 4])
+    session = _session(repo / "mine" / config.model_file)
+    with torch.no_grad():
+        if kind == "self_attention":
+            X = torch.from_numpy(Q) + models.sinusoidal_table(50, 12)[:3]
+            want = module(X, X, X, torch.from_numpy(lens)).numpy()
+            got, _ = session.run(None, {"queries": Q, "valid_lens": np.repeat(lens[:, None], 3, axis=1)})
+        else:
+            want = module(*map(torch.from_numpy, (Q, K, V)), torch.from_numpy(lens)).numpy()
+            got, _ = session.run(None, {"queries": Q, "keys": K, "values": V,
+                                        "valid_lens": np.repeat(lens[:, None], 3, axis=1)})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, flags, message", [
+    ("multi_head", [], "--num-heads needed: a checkpoint's shapes do not tell num_heads (num_hiddens = 10); "
+     "e.g. --num-heads N"),
+    ("self_attention", ["--num-heads", "4"], "--max-len needed: a checkpoint's shapes do not tell max_len"),
+    ("additive", ["--key-size", "5"], "--key-size 5 contradicts the checkpoint: W_k.weight has shape (6, 4), so "
+     "key_size is 4; leave the flag out or fix it"),
+    ("multi_head", ["--num-heads", "2", "--bias"], "--bias (given) contradicts the checkpoint: W_q.bias is absent, "
+     "so bias is False"),
+    ("self_attention", ["--num-heads", "4", "--max-len", "50", "--num-hiddens", "8"],
+     "--num-hiddens 8 contradicts the checkpoint: W_q.weight has shape (12, 12), so num_hiddens is 12"),
+])
+def test_what_a_checkpoint_cannot_tell_or_contradicts_is_named(tmp_path, capsys, kind, flags, message):
+    module, _ = _book_module(kind)
+    ckpt = tmp_path / "ck.pt"
+    torch.save(module.state_dict(), ckpt)
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", kind, "--checkpoint", str(ckpt), *flags]) == 1
+    assert message in capsys.readouterr().err
     assert not repo.exists() or _entries(repo) == []
 
 
