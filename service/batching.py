@@ -1,4 +1,4 @@
-"""Dynamic batching, a bounded queue and deadlines.
+"""Dynamic batching, a bounded queue, deadlines, and where a session run happens.
 
 Concurrent requests for the same model are merged into one session run. Padding is exact
 because of the masking: queries, keys and values are zero-padded to the batch's largest n_q and
@@ -10,6 +10,14 @@ Requests are grouped by feature sizes (dot_product accepts any) and by length bu
 power of two at or above n_q and n_k), so one long request does not make many short ones pay
 for padding, and ONNX Runtime sees a bounded set of shapes.
 
+Where a batch runs (measured on this project's machines, see docs/benchmarks.md): a hop to a worker
+thread costs 65 to 90 us, while the book's toy request runs in about 20 us. So a batch whose run is
+predicted (from the runs of its model and length bucket so far) to take less than
+`inline_run_s` runs right on the event loop; larger ones go to long-lived inference threads, so
+the loop keeps reading and decoding requests meanwhile. A batcher is woken by the first request
+put in its queue and takes its batch one loop iteration later: the requests that arrived in the
+same read of the sockets are decoded and queued by then, so they merge with no waiting at all.
+
 With batching off the same queue runs batches of one request: the same admission, deadlines
 and metrics, no merging.
 """
@@ -17,19 +25,25 @@ and metrics, no merging.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
-import anyio
 import numpy as np
 
-from service.dataplane import encode
 from service.decode import Request
 from service.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.metrics import Metrics
 from service.runtime import LoadedModel
+
+log = logging.getLogger("service")
+
+# (outputs, attention weights or None) of one request -> its response body
+Encoder = Callable[[LoadedModel, np.ndarray, np.ndarray | None], Any]
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,7 @@ class BatchLimits:
     max_elements: int = 4 * 1024 * 1024  # padded rows * heads * n_q * n_k: bounds the weights' memory
     max_wait_s: float = 0.0  # how long the first request waits for others to fill its batch
     max_queue: int = 256  # requests waiting (all models); more get 503 at once
+    inline_run_s: float = 1e-3  # batches predicted to run faster than this run on the event loop
 
 
 # Asking whether a client has gone costs a cancelled receive (~10-20 us on the event loop): worth it
@@ -50,30 +65,25 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@dataclass(eq=False)
 class Job:
-    request: Request
-    deadline: float  # time.monotonic()
-    is_disconnected: Callable[[], Awaitable[bool]] | None = None
-    enqueued: float = field(default_factory=time.monotonic)
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """One request in the queue: its future gets the encoded response, or the error."""
 
-    @property
-    def rows(self) -> int:
-        return int(self.request.feed["valid_lens"].shape[0])
+    __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "rows", "n_q", "n_k",
+                 "key")
 
-    @property
-    def n_q(self) -> int:
-        return int(self.request.feed["valid_lens"].shape[1])
-
-    @property
-    def n_k(self) -> int:
-        feed = self.request.feed
-        return int(feed["keys"].shape[1]) if "keys" in feed else self.n_q
-
-    def key(self) -> tuple:
-        features = tuple(a.shape[-1] for name, a in self.request.feed.items() if name != "valid_lens")
-        return features, bucket(self.n_q), bucket(self.n_k)
+    def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
+                 is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
+        self.request = request
+        self.deadline = deadline  # time.monotonic()
+        self.encode = encode
+        self.is_disconnected = is_disconnected
+        self.enqueued = time.monotonic()
+        self.future = future
+        feed = request.feed
+        self.rows, self.n_q = feed["valid_lens"].shape
+        self.n_k = feed["keys"].shape[1] if "keys" in feed else self.n_q
+        features = tuple(a.shape[-1] for name, a in feed.items() if name != "valid_lens")
+        self.key = (features, bucket(self.n_q), bucket(self.n_k))
 
 
 def _heads(model: LoadedModel) -> int:
@@ -103,23 +113,25 @@ def merge(model: LoadedModel, jobs: list[Job]) -> dict[str, np.ndarray]:
     return feed
 
 
-def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> list[bytes]:
-    """Merge, run once, slice each job's rows, queries and keys back out, encode. In a thread."""
+def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[list[Any], float]:
+    """Merge, run once, slice each job's rows, queries and keys back out, encode each with its
+    job's encoder. Returns the bodies and the seconds the session run took."""
     feed = merge(model, jobs)
     start = time.perf_counter()
     outputs, weights = model.run(feed)
-    metrics.inference.labels(model.name).observe(time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    metrics.model(model.name).inference.observe(seconds)
     if len(jobs) == 1:
         job = jobs[0]
-        return [encode(model.name, outputs, weights if job.request.return_weights else None)]
+        return [job.encode(model, outputs, weights if job.request.return_weights else None)], seconds
     results, r = [], 0
     for job in jobs:
         out = np.ascontiguousarray(outputs[r:r + job.rows, :job.n_q])
         w = np.ascontiguousarray(weights[r:r + job.rows, ..., :job.n_q, :job.n_k]) if job.request.return_weights \
             else None
-        results.append(encode(model.name, out, w))
+        results.append(job.encode(model, out, w))
         r += job.rows
-    return results
+    return results, seconds
 
 
 class Batcher:
@@ -129,12 +141,19 @@ class Batcher:
         self.model = model
         self.limits = limits
         self.scheduler = scheduler
+        self.metrics = scheduler.metrics.model(model.name)
+        self.heads = _heads(model)
         self.groups: dict[tuple, deque[Job]] = {}
         self.wakeup = asyncio.Event()
         self.size = 0
+        # Seconds per row of a session run, by length bucket: what decides inline or thread.
+        self.per_row: dict[tuple, float] = {}
 
     def put(self, job: Job) -> None:
-        self.groups.setdefault(job.key(), deque()).append(job)
+        group = self.groups.get(job.key)
+        if group is None:
+            group = self.groups[job.key] = deque()
+        group.append(job)
         self.size += 1
         self.wakeup.set()
 
@@ -155,13 +174,13 @@ class Batcher:
             wait = group[0].enqueued + limits.max_wait_s - time.monotonic()
             if wait > 0 and sum(j.rows for j in group) < limits.max_rows:
                 await asyncio.sleep(wait)
-        heads = _heads(self.model)
+        heads = self.heads
         jobs: list[Job] = []
         rows = n_q = n_k = 0
         now = time.monotonic()
         while group:
             job = group[0]
-            if job.future.done():  # the client's wait timed out already
+            if job.future.done():  # answered already: its deadline passed, or its caller went away
                 self._pop(group)
                 continue
             if job.deadline <= now:
@@ -180,59 +199,85 @@ class Batcher:
                     break
             jobs.append(self._pop(group))
             rows, n_q, n_k = rows + job.rows, max(n_q, job.n_q), max(n_k, job.n_k)
-        for key in [k for k, g in self.groups.items() if not g]:
-            del self.groups[key]
+        if not group:
+            for key in [k for k, g in self.groups.items() if not g]:
+                del self.groups[key]
         return jobs
+
+    def _inline(self, jobs: list[Job]) -> bool:
+        per_row = self.per_row.get(jobs[0].key)
+        return per_row is not None and per_row * sum(j.rows for j in jobs) < self.limits.inline_run_s
+
+    def _learn(self, jobs: list[Job], seconds: float) -> None:
+        key, rows = jobs[0].key, sum(j.rows for j in jobs)
+        old = self.per_row.get(key)
+        self.per_row[key] = seconds / rows if old is None else 0.8 * old + 0.2 * seconds / rows
+
+    def _observe(self, jobs: list[Job]) -> None:
+        metrics = self.metrics
+        start = time.monotonic()
+        for job in jobs:
+            metrics.queue_time.observe(start - job.enqueued)
+        metrics.batch_requests.observe(len(jobs))
+        metrics.batch_rows.observe(sum(j.rows for j in jobs))
+
+    @staticmethod
+    def _deliver(jobs: list[Job], results: list[Any] | None, error: BaseException | None) -> None:
+        for i, job in enumerate(jobs):
+            if not job.future.done():
+                if error is None:
+                    job.future.set_result(results[i])  # type: ignore[index]
+                else:
+                    job.future.set_exception(error)
 
     async def loop(self) -> None:
         scheduler = self.scheduler
         while True:
-            while not self.size:
+            while not self.size or scheduler.paused:
                 self.wakeup.clear()
                 await self.wakeup.wait()
-            await scheduler.slots.acquire()  # a free inference slot; meanwhile the queue fills
-            try:
-                jobs = await self._take()
-            except BaseException:
-                scheduler.slots.release()
-                raise
-            if not jobs:
-                scheduler.slots.release()
-                continue
+            jobs = await self._take()
             scheduler.metrics.queue_depth.set(scheduler.queued)
-            scheduler.spawn(self._execute(jobs))
+            if not jobs:
+                continue
+            self._observe(jobs)
+            if self._inline(jobs):
+                try:
+                    results, seconds = run_batch(self.model, jobs, scheduler.metrics)
+                except Exception as e:
+                    self._deliver(jobs, None, e)
+                else:
+                    self._learn(jobs, seconds)
+                    self._deliver(jobs, results, None)
+                await asyncio.sleep(0)  # the callers of this batch answer; new requests join the next one
+            else:
+                await scheduler.threads.acquire()
+                scheduler.spawn(self._in_thread(jobs))
 
-    async def _execute(self, jobs: list[Job]) -> None:
-        metrics = self.scheduler.metrics
-        start = time.monotonic()
-        for job in jobs:
-            metrics.queue_time.labels(self.model.name).observe(start - job.enqueued)
-        metrics.batch_requests.labels(self.model.name).observe(len(jobs))
-        metrics.batch_rows.labels(self.model.name).observe(sum(j.rows for j in jobs))
+    async def _in_thread(self, jobs: list[Job]) -> None:
+        scheduler = self.scheduler
         try:
-            results = await anyio.to_thread.run_sync(run_batch, self.model, jobs, metrics,
-                                                     limiter=self.scheduler.threads)
+            results, seconds = await asyncio.get_running_loop().run_in_executor(
+                scheduler.executor, run_batch, self.model, jobs, scheduler.metrics)
         except Exception as e:
-            for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(e)
+            self._deliver(jobs, None, e)
         else:
-            for job, result in zip(jobs, results, strict=True):
-                if not job.future.done():
-                    job.future.set_result(result)
+            self._learn(jobs, seconds)
+            self._deliver(jobs, results, None)
         finally:
-            self.scheduler.slots.release()
+            scheduler.threads.release()
 
 
 class Scheduler:
-    """Every model's batcher, the shared bound on queued requests and the inference slots."""
+    """Every model's batcher, the shared bound on queued requests, and the inference threads."""
 
-    def __init__(self, models: list[LoadedModel], limits: BatchLimits, slots: int, metrics: Metrics):
+    def __init__(self, models: list[LoadedModel], limits: BatchLimits, threads: int, metrics: Metrics):
         self.limits = limits
         self.metrics = metrics
-        self.slots = asyncio.Semaphore(slots)
-        self.threads = anyio.CapacityLimiter(slots)
+        self.threads = asyncio.Semaphore(threads)
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="inference")
         self.queued = 0
+        self.paused = False
         self.batchers = {m.name: Batcher(m, limits, self) for m in models}
         self._tasks: set[asyncio.Task] = set()
 
@@ -249,19 +294,40 @@ class Scheduler:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.executor.shutdown(wait=False)
 
-    async def submit(self, job: Job) -> bytes:
+    def pause(self) -> None:
+        """Hold every queue: requests wait (and may time out) until `resume`."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        for batcher in self.batchers.values():
+            batcher.wakeup.set()
+
+    async def submit(self, job: Job) -> Any:
         """Queue `job` and wait for its response body; 503 at once when the queue is full, 504
         when the deadline passes first."""
         if self.queued >= self.limits.max_queue:
             self.metrics.rejected.labels(job.request.model.name).inc()
             raise Overloaded(f"the queue is full ({self.limits.max_queue} requests waiting); retry shortly",
                              headers={"Retry-After": "1"})
+        loop = asyncio.get_running_loop()
+        job.future = future = loop.create_future()
         self.queued += 1
         self.metrics.queue_depth.set(self.queued)
         self.batchers[job.request.model.name].put(job)
+        # A timer, not wait_for (a task per call): at the deadline the caller gets its 504 even if a
+        # long run holds the batch; the batcher drops the job if it has not run yet.
+        timer = loop.call_later(max(job.deadline - time.monotonic(), 0), _expire, future)
         try:
-            return await asyncio.wait_for(asyncio.shield(job.future), max(job.deadline - time.monotonic(), 0))
-        except TimeoutError:
-            job.future.cancel()  # the batcher drops it if it has not run yet
-            raise DeadlineExceeded("the request's deadline passed before its batch ran") from None
+            return await future
+        finally:
+            timer.cancel()
+            if not future.done():
+                future.cancel()
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(DeadlineExceeded("the request's deadline passed before its batch ran"))

@@ -1,34 +1,83 @@
-"""The work of one request, with no HTTP in it: decode -> session run -> encode.
+"""The work of one request, with no HTTP in it: decode -> queue (batching, deadline) -> run -> encode.
 
-The HTTP route decodes here and queues the request for `service.batching`, which runs and
-encodes it (merged with others) in a worker thread. `attend` does the three steps in a row, for
-the in-process benchmark and for callers without a queue.
+The protocols' codecs (service/routes/attend.py for /attend) decode their bodies into a `Request`
+and hand it here with an encoder of their own; the batching, the limits and the metrics are here,
+once, below every codec. `attend` does decode, run and encode in a row in the calling thread: the
+in-process benchmark, and callers without a queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import orjson
 
+from service.batching import Encoder, Job, Scheduler
 from service.decode import Request, RequestLimits, decode_body
+from service.errors import DeadlineExceeded
 from service.metrics import Metrics
-from service.runtime import Registry
+from service.runtime import LoadedModel, Registry
 
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
+def encode_attend(model: LoadedModel, outputs: np.ndarray, weights: np.ndarray | None) -> bytes:
+    """/attend's response body."""
+    return orjson.dumps({"model": model.name, "outputs": outputs, "attention_weights": weights}, option=_ORJSON)
+
+
 class Dataplane:
-    def __init__(self, registry: Registry, metrics: Metrics, limits: RequestLimits | None = None):
+    def __init__(self, registry: Registry, metrics: Metrics, limits: RequestLimits | None = None,
+                 scheduler: Scheduler | None = None, decode_threads: int = 1, inline_decode_bytes: int = 1 << 20):
         self.registry = registry
         self.metrics = metrics
         self.limits = limits or RequestLimits()
+        self.scheduler = scheduler
+        self.inline_decode_bytes = inline_decode_bytes
+        self._decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if scheduler else None
+
+    def close(self) -> None:
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False)
 
     def decode(self, body: bytes) -> Request:
-        """Raises ServiceError subclasses for bad input, with `.model` set to the model's name
-        once it is known (for the metrics' label)."""
+        """/attend's body -> Request. Raises ServiceError subclasses for bad input, with `.model`
+        set to the model's name once it is known (for the metrics' label)."""
         return decode_body(body, self.registry, self.limits)
+
+    async def decode_async(self, body: bytes, deadline: float) -> Request:
+        """`decode`, on the event loop for small bodies (a thread hop costs more than their parse),
+        in a decode thread for large ones; never started once the deadline has passed, and a 504 at
+        the deadline even while it waits for the thread."""
+        if len(body) <= self.inline_decode_bytes:
+            return self.decode(body)
+        loop = asyncio.get_running_loop()
+
+        def decode_unless_late() -> Request:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+            return self.decode(body)
+
+        future = loop.run_in_executor(self._decoder, decode_unless_late)
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            future.cancel()
+            raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+        done, _ = await asyncio.wait((future,), timeout=timeout)
+        if not done:
+            future.cancel()  # still queued: never decoded; decoding: its result is dropped
+            raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+        return future.result()
+
+    async def infer(self, request: Request, deadline: float, encode: Encoder = encode_attend,
+                    is_disconnected: Any = None) -> Any:
+        """The encoded response for `request`, through the batching queue."""
+        assert self.scheduler is not None
+        return await self.scheduler.submit(Job(request, deadline, encode, is_disconnected))
 
     def attend(self, body: bytes) -> bytes:
         """Decode, run and encode one request, in the calling thread."""
@@ -36,9 +85,5 @@ class Dataplane:
         model = request.model
         start = time.perf_counter()
         outputs, weights = model.run(request.feed)
-        self.metrics.inference.labels(model.name).observe(time.perf_counter() - start)
-        return encode(model.name, outputs, weights if request.return_weights else None)
-
-
-def encode(model: str, outputs: np.ndarray, weights: np.ndarray | None) -> bytes:
-    return orjson.dumps({"model": model, "outputs": outputs, "attention_weights": weights}, option=_ORJSON)
+        self.metrics.model(model.name).inference.observe(time.perf_counter() - start)
+        return encode_attend(model, outputs, weights if request.return_weights else None)

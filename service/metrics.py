@@ -1,10 +1,34 @@
-"""Prometheus metrics, in a registry of the app's own (several apps can live in one process)."""
+"""Prometheus metrics, in a registry of the app's own (several apps can live in one process).
+
+The request path observes through `Metrics.model(name)`: each model's labelled children are looked up
+once and kept, since `labels(...)` costs a lock and a dict lookup per observation.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ModelMetrics:
+    """The children of one model's label, and of its statuses as they appear."""
+
+    def __init__(self, metrics: Metrics, model: str):
+        self._metrics = metrics
+        self._name = model
+        self._statuses: dict[int, Counter] = {}
+        self.latency = metrics.latency.labels(model)
+        self.inference = metrics.inference.labels(model)
+        self.queue_time = metrics.queue_time.labels(model)
+        self.batch_requests = metrics.batch_requests.labels(model)
+        self.batch_rows = metrics.batch_rows.labels(model)
+
+    def status(self, code: int) -> Counter:
+        child = self._statuses.get(code)
+        if child is None:
+            child = self._statuses[code] = self._metrics.requests.labels(self._name, str(code))
+        return child
 
 
 class Metrics:
@@ -31,3 +55,10 @@ class Metrics:
         self.rejected = Counter("attend_rejected", "Requests refused with 503 because the queue was full, by model",
                                 ["model"], registry=self.registry)
         self.ready = Gauge("attend_ready", "1 when every model is loaded and warmed up", registry=self.registry)
+        self._models: dict[str, ModelMetrics] = {}
+
+    def model(self, name: str) -> ModelMetrics:
+        children = self._models.get(name)
+        if children is None:
+            children = self._models[name] = ModelMetrics(self, name)
+        return children

@@ -1,95 +1,168 @@
-"""POST /attend: thin. It decodes (service.dataplane; large bodies in a worker thread) and queues
-the request for service.batching, which runs and encodes it; no session runs on the event loop."""
+"""POST /attend: the codec of the service's own JSON protocol, as a plain ASGI app.
+
+It reads the body, decodes it (service.decode), hands the request to the dataplane (batching,
+deadline, session run) with /attend's encoder, and sends the body or the one error body. It is a
+plain ASGI app rather than a FastAPI route because FastAPI's request handling costs ~45 us a request
+(measured: `python bench/asgi_overhead.py`), twice the book's toy request's whole session run;
+`service.app` calls it before FastAPI's stack (or through a route, when CORS needs the middleware).
+The FastAPI route below only documents it in the OpenAPI schema.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 import anyio
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+import orjson
+from fastapi import APIRouter
+from starlette.types import Receive, Scope, Send
 
-from service.batching import Job
-from service.errors import InvalidRequest, NotReady, PayloadTooLarge, ServiceError, UnsupportedMediaType
+from service.auth import check_api_key
+from service.dataplane import encode_attend
+from service.errors import (
+    ClientGone,
+    InvalidRequest,
+    NotReady,
+    PayloadTooLarge,
+    ServiceError,
+    UnsupportedMediaType,
+)
 from service.schemas import AttendRequest, AttendResponse, error_responses, toy_request
 
+log = logging.getLogger("service")
 router = APIRouter()
-
-_ERRORS = error_responses(400, 401, 404, 413, 415, 422, 503, 504)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to be larger than `limit`."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"the body has {length} bytes; the limit is {limit}", expected=limit,
-                              received=int(length))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _check_media_type(request: Request) -> None:
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media != "application/json" and not media.endswith("+json"):
-        raise UnsupportedMediaType(f"Content-Type must be application/json, got {media}",
-                                   expected="application/json", received=media)
-
-
-def _deadline(request: Request, default_s: float) -> float:
-    timeout = default_s
-    header = request.headers.get("x-request-timeout-ms")
-    if header is not None:
-        try:
-            timeout = min(timeout, float(header) / 1000)
-        except ValueError:
-            raise InvalidRequest("X-Request-Timeout-Ms must be a number of milliseconds", field="X-Request-Timeout-Ms",
-                                 received=header) from None
-    return time.monotonic() + timeout
+_JSON = [(b"content-type", b"application/json")]
 
 
 @router.post(
     "/attend",
     response_model=AttendResponse,
-    responses=_ERRORS,  # type: ignore[arg-type]
+    responses=error_responses(400, 401, 404, 413, 415, 422, 503, 504),  # type: ignore[arg-type]
     summary="Attention outputs and weights for queries, keys, values and valid lengths",
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": AttendRequest.model_json_schema(),
         "example": toy_request(),
     }}}},
 )
-async def attend(request: Request) -> Response:
-    state = request.app.state
-    # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
-    # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
-    if not state.serving:
-        raise NotReady("the service is not ready", headers={"Retry-After": "1"})
-    settings = state.settings
-    start = time.perf_counter()
-    state.metrics.in_flight.inc()
-    model = "-"
-    try:
-        _check_media_type(request)
-        deadline = _deadline(request, settings.request_timeout_s)
-        body = await read_body(request, settings.max_body_bytes)
-        if len(body) <= settings.inline_decode_bytes:
-            decoded = state.dataplane.decode(body)
-        else:
-            decoded = await anyio.to_thread.run_sync(state.dataplane.decode, body, limiter=state.limiter)
-        model = decoded.model.name
-        content = await state.scheduler.submit(Job(decoded, deadline, request.is_disconnected))
-    except ServiceError as e:
-        state.metrics.requests.labels(e.model or model, str(e.status)).inc()
-        raise
-    except Exception:
-        state.metrics.requests.labels(model, "500").inc()
-        raise
-    finally:
-        state.metrics.in_flight.dec()
-    state.metrics.requests.labels(model, "200").inc()
-    state.metrics.latency.labels(model).observe(time.perf_counter() - start)
-    return Response(content, media_type="application/json")
+async def attend_documented() -> None:
+    """The OpenAPI entry of POST /attend; requests are served by `AttendEndpoint`, routed before it."""
+    raise NotImplementedError("POST /attend is served by service.routes.attend.AttendEndpoint")
+
+
+async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be larger than `limit`."""
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the body has {int(length)} bytes; the limit is {limit}", expected=limit,
+                              received=int(length))
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientGone("the client disconnected before sending its body")
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+        return body
+    chunks, size = [body], len(body)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client disconnected before sending its whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def check_media_type(headers: dict[bytes, bytes]) -> None:
+    raw = headers.get(b"content-type")
+    if raw is None or raw == b"application/json":
+        return
+    media = raw.decode("latin-1").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {media[:100]}",
+                                   expected="application/json", received=media[:100])
+
+
+def deadline(headers: dict[bytes, bytes], default_s: float) -> float:
+    timeout = default_s
+    header = headers.get(b"x-request-timeout-ms")
+    if header is not None:
+        try:
+            timeout = min(timeout, float(header) / 1000)
+        except ValueError:
+            raise InvalidRequest("X-Request-Timeout-Ms must be a number of milliseconds", field="X-Request-Timeout-Ms",
+                                 received=header.decode("latin-1")[:100]) from None
+    return time.monotonic() + timeout
+
+
+async def send_body(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or ())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: ServiceError) -> None:
+    extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send_body(send, error.status, orjson.dumps(error.body()), extra)
+
+
+def disconnect_probe(receive: Receive) -> Any:
+    """Whether the client has gone, without waiting: a receive cancelled at once (Starlette's way)."""
+    async def is_disconnected() -> bool:
+        message: dict[str, Any] = {}
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            message = await receive()
+        return message.get("type") == "http.disconnect"
+
+    return is_disconnected
+
+
+class AttendEndpoint:
+    def __init__(self, state: Any):
+        self.state = state  # the app's state: settings, dataplane, metrics, readiness, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        metrics = state.metrics
+        start = time.perf_counter()
+        model = "-"
+        metrics.in_flight.inc()
+        try:
+            # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
+            # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
+            if not state.serving:
+                raise NotReady("the service is not ready", headers={"Retry-After": "1"})
+            headers = dict(scope["headers"])
+            if state.api_keys:
+                check_api_key(headers.get(b"authorization"), state.api_keys)
+            check_media_type(headers)
+            settings = state.settings
+            until = deadline(headers, settings.request_timeout_s)
+            body = await read_body(receive, headers, settings.max_body_bytes)
+            dataplane = state.dataplane
+            request = await dataplane.decode_async(body, until)
+            model = request.model.name
+            content = await dataplane.infer(request, until, encode_attend, disconnect_probe(receive))
+        except ServiceError as e:
+            metrics.model(e.model or model).status(e.status).inc()
+            if not isinstance(e, ClientGone):  # nobody to answer
+                await send_error(send, e)
+            return
+        except Exception:
+            log.exception("unhandled error on POST /attend")
+            metrics.model(model).status(500).inc()
+            await send_error(send, ServiceError("internal server error"))
+            return
+        finally:
+            metrics.in_flight.dec()
+        children = metrics.model(model)
+        children.status(200).inc()
+        children.latency.observe(time.perf_counter() - start)
+        await send_body(send, 200, content)

@@ -84,9 +84,12 @@ def test_request_id_in_and_out_and_in_the_logs(client, caplog):
     assert records and records[-1].request_id == "trace-42"
     assert "POST /attend 200" in records[-1].getMessage()
     made_up = client.get("/health/live").headers["x-request-id"]
-    assert len(made_up) == 32 and int(made_up, 16) >= 0
+    prefix, counter = made_up.split("-")
+    assert len(prefix) == 8 and int(prefix, 16) >= 0 and int(counter, 16) > 0
+    again = client.post("/attend", json=toy_request()).headers["x-request-id"]
+    assert again.startswith(prefix + "-") and again != made_up  # one process, one prefix; a counter
     insane = client.get("/health/live", headers={"X-Request-ID": "bad id\twith spaces"}).headers["x-request-id"]
-    assert insane != "bad id\twith spaces" and len(insane) == 32
+    assert insane != "bad id\twith spaces" and insane.startswith(prefix + "-")
     # Errors carry it too.
     assert client.post("/attend", json={"model": "nope"}, headers={"X-Request-ID": "e-1"}).headers["x-request-id"] \
         == "e-1"

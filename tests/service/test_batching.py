@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.batching import BatchLimits, Job, Scheduler, bucket, merge, run_batch
-from service.dataplane import Dataplane
+from service.dataplane import Dataplane, encode_attend
 from service.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.metrics import Metrics
 from service.runtime import Registry
@@ -91,10 +91,10 @@ def assert_same(batched: bytes, single: bytes):
 def test_one_merged_run_equals_separate_runs(dataplane, kind):
     bodies = mixed_bodies(kind, 12, seed=len(kind))
     requests = [dataplane.decode(b) for b in bodies]
-    jobs = [Job(r, deadline=float("inf"), future=None) for r in requests]
+    jobs = [Job(r, deadline=float("inf"), encode=encode_attend) for r in requests]
     feed = merge(requests[0].model, jobs)
     assert feed["valid_lens"].shape[0] == sum(j.rows for j in jobs)  # really one run for all
-    batched = run_batch(requests[0].model, jobs, Metrics())
+    batched, _ = run_batch(requests[0].model, jobs, Metrics())
     for body, result in zip(bodies, batched, strict=True):
         assert_same(result, dataplane.attend(body))
 
@@ -103,7 +103,7 @@ def test_merged_weights_are_exactly_zero_on_padding(dataplane):
     rng = np.random.default_rng(3)
     short = dataplane.decode(make_body("dot_product", rng, 1, 2, 3, "absent"))
     long = dataplane.decode(make_body("dot_product", rng, 1, 7, 8, "absent"))
-    jobs = [Job(short, float("inf"), future=None), Job(long, float("inf"), future=None)]
+    jobs = [Job(short, float("inf")), Job(long, float("inf"))]
     feed = merge(short.model, jobs)
     outputs, weights = short.model.run(feed)
     assert weights.shape == (2, 7, 8)
@@ -116,7 +116,7 @@ def test_jobs_group_by_feature_size_and_length_bucket(dataplane):
 
     def key(**kw):
         args = {"batch": 1, "n_q": 2, "n_k": 3, "form": "absent"} | kw
-        return Job(dataplane.decode(make_body("dot_product", rng, **args)), 0.0, future=None).key()
+        return Job(dataplane.decode(make_body("dot_product", rng, **args)), 0.0).key
 
     assert key() == key(n_k=4, batch=3)
     assert key() != key(d=7)  # dot_product: other feature sizes, other batches
@@ -128,17 +128,17 @@ def test_jobs_group_by_feature_size_and_length_bucket(dataplane):
 
 def _job(dataplane, body=None, timeout=5.0, disconnected=None):
     body = body or json.dumps(toy_request()).encode()
-    return Job(dataplane.decode(body), time.monotonic() + timeout, disconnected)
+    return Job(dataplane.decode(body), time.monotonic() + timeout, encode_attend, disconnected)
 
 
 @contextlib.asynccontextmanager
 async def busy(registry, **limits):
-    """A started scheduler whose only inference slot is taken: requests wait in its queue until
-    the test calls `scheduler.slots.release()`."""
+    """A started, paused scheduler: requests wait in its queue until the test calls
+    `scheduler.resume()`."""
     metrics = Metrics()
     scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(**limits), 1, metrics)
     scheduler.start()
-    await scheduler.slots.acquire()
+    scheduler.pause()
     try:
         yield scheduler, metrics
     finally:
@@ -158,7 +158,7 @@ async def test_full_queue_refuses_at_once_with_retry_after(registry, dataplane):
         with pytest.raises(Overloaded) as refused:
             waiting[2].result()
         assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
-        scheduler.slots.release()
+        scheduler.resume()
         results = await asyncio.gather(*waiting[:2])
         assert all(orjson.loads(r)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]] for r in results)
         assert scheduler.queued == 0
@@ -173,7 +173,7 @@ async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(regis
         with pytest.raises(DeadlineExceeded):
             await late
         assert time.monotonic() - start < 1.0  # answered at its deadline, not when a slot frees
-        scheduler.slots.release()
+        scheduler.resume()
         assert orjson.loads(await patient)["model"] == "additive"
         assert metrics.batch_requests.labels("additive")._sum.get() == 1  # only the patient one ran
 
@@ -186,7 +186,7 @@ async def test_gone_client_is_dropped_before_its_batch_runs(registry, dataplane)
     async with busy(registry) as (scheduler, metrics):
         task = asyncio.create_task(scheduler.submit(_job(dataplane, disconnected=gone)))
         await asyncio.sleep(0.01)
-        scheduler.slots.release()
+        scheduler.resume()
         with pytest.raises(ClientGone):
             await task
         assert metrics.batch_requests.labels("additive")._sum.get() == 0
@@ -205,7 +205,7 @@ async def test_batches_respect_row_and_element_limits(registry, dataplane, limit
     async with busy(registry, **limits) as (scheduler, metrics):
         tasks = [asyncio.create_task(scheduler.submit(_job(dataplane, b))) for b in bodies]
         await asyncio.sleep(0.01)
-        scheduler.slots.release()
+        scheduler.resume()
         results = await asyncio.gather(*tasks)
         for body, result in zip(bodies, results, strict=True):
             assert_same(result, dataplane.attend(body))
@@ -218,7 +218,7 @@ async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
     async with busy(registry, enabled=False) as (scheduler, metrics):
         tasks = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(4)]
         await asyncio.sleep(0.01)
-        scheduler.slots.release()
+        scheduler.resume()
         await asyncio.gather(*tasks)
         assert runs(metrics, "additive") == 4
 
