@@ -1,10 +1,12 @@
-"""Benchmark: the service over HTTP (wrk, a separate process on another core) against the same
-work done in-process (JSON decode + session run + JSON encode, no HTTP), batching on and off.
+"""Benchmark: the service over HTTP (wrk, a separate process on another core), batching on and off,
+against the plain server a user could write instead (bench/plain_server.py) and against the same
+work done in-process (JSON decode + session run + JSON encode, no HTTP).
 
-    python bench/run.py [--duration 10] [--out docs/benchmarks.md]      (make bench)
+    python bench/run.py [--duration 10] [--repeat 3] [--out docs/benchmarks.md]      (make bench)
 
-Prints a markdown table: requests/s, p50 and p99 latency, and each row's throughput as a ratio of
-the in-process limit. The server is pinned to core 0 with one ONNX Runtime thread, wrk to core 1.
+Prints a markdown table: requests/s, p50 and p99 latency, the server's CPU time per request, and
+each row's throughput as a multiple of the plain server's and of the in-process limit. Every server
+is pinned to core 0 with one ONNX Runtime thread, wrk to core 1.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tests.server import running_service  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
 PIN = ("taskset", "-c", str(SERVER_CPU))
+LABELS = {"plain": "plain", "on": "service", "off": "service, batching off"}
 
 
 def workloads() -> dict[str, tuple[str, dict]]:
@@ -78,17 +81,40 @@ def in_process(repository: Path, bodies: dict[str, bytes], seconds: float) -> di
 
 
 def service_env(batching: bool, extra: dict[str, str]) -> dict[str, str]:
-    """The settings every measured service runs with: one ORT thread on its one core."""
-    return {"ATTEND_INTRA_OP_THREADS": "1", "ATTEND_BATCHING": str(batching).lower(), **extra}
+    """The settings every measured service runs with: one ORT thread on its one core, and its default
+    log level (so the access log is written, as in production)."""
+    return {"ATTEND_INTRA_OP_THREADS": "1", "ATTEND_BATCHING": str(batching).lower(), "ATTEND_LOG_LEVEL": "info",
+            **extra}
 
 
-def wrk(port: int, body_file: Path, connections: int, seconds: float) -> dict:
+PLAIN = (sys.executable, "-m", "uvicorn", "bench.plain_server:app", "--port", "{port}", "--log-level", "warning")
+
+
+def server(kind: str, repository: Path, extra: dict[str, str]):
+    """A server to measure, started the same way for each kind: pinned to the server core, a fresh
+    process. `kind` is "plain" (bench/plain_server.py), "on" or "off" (the service, batching on/off)."""
+    if kind == "plain":
+        return running_service(repository, prefix=PIN, command=PLAIN, ready_path="/docs",
+                               PLAIN_REPOSITORY=str(repository))
+    return running_service(repository, prefix=PIN, **service_env(kind == "on", extra))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(port: int, body_file: Path, connections: int, seconds: float, pid: int | None = None) -> dict:
     cmd = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
            "--timeout", "10s", "-s", str(ROOT / "bench" / "post.lua"), f"http://127.0.0.1:{port}/attend"]
+    cpu_before = cpu_seconds(pid) if pid else 0.0
     out = subprocess.run(cmd, env=os.environ | {"BODY": str(body_file)}, capture_output=True, text=True, check=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
     result = json.loads(line)
     result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
+    if pid:
+        result["cpu_us"] = 1e6 * (cpu_seconds(pid) - cpu_before) / max(result["requests"], 1)
     return result
 
 
@@ -131,38 +157,47 @@ def main() -> int:
     limit = in_process(args.repository, bodies, args.duration)
 
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    measured: dict[tuple[str, int, bool], list[dict]] = {}
+    kinds = ["plain", "on", "off"]
+    measured: dict[tuple[str, int, str], list[dict]] = {}
     extra = dict(s.split("=", 1) for s in args.set)
     for rep in range(args.repeat):
         for name in work:
-            for batching in (True, False):  # alternating, so that drift on a shared machine hits both
+            for kind in kinds if rep % 2 == 0 else kinds[::-1]:  # alternating, so that drift hits every kind
                 # A fresh process per workload: one workload's allocations do not colour the next.
-                with running_service(args.repository, prefix=PIN, **service_env(batching, extra)) as (url, _):
+                with server(kind, args.repository, extra) as (url, proc):
                     port = int(url.rsplit(":", 1)[1])
                     for c in concurrency:
-                        print(f"[{rep + 1}/{args.repeat}] {name} c={c} batching={'on' if batching else 'off'} ...",
-                              file=sys.stderr)
+                        print(f"[{rep + 1}/{args.repeat}] {name} c={c} {LABELS[kind]} ...", file=sys.stderr)
                         wrk(port, tmp / f"{name}.json", c, args.warmup)
-                        r = wrk(port, tmp / f"{name}.json", c, args.duration)
+                        r = wrk(port, tmp / f"{name}.json", c, args.duration, proc.pid)
                         if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
-                            raise RuntimeError(f"{name} c={c}: errors {r}")
-                        measured.setdefault((name, c, batching), []).append(r)
-    rows = [(name, c, batching, {key: statistics.median(r[key] for r in runs) for key in ("rps", "p50_us", "p99_us")})
-            for (name, c, batching), runs in measured.items()]
+                            raise RuntimeError(f"{name} c={c} {kind}: errors {r}")
+                        measured.setdefault((name, c, kind), []).append(r)
+    rows = {key: {k: statistics.median(r[k] for r in runs) for k in ("rps", "p50_us", "p99_us", "cpu_us")}
+            for key, runs in measured.items()}
     shutil.rmtree(tmp)
 
-    lines = ["| workload | concurrency | batching | req/s | p50 ms | p99 ms | in-process req/s | ratio |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name, c, batching, r in sorted(rows, key=lambda x: (x[0], x[1], not x[2])):
-        lim = limit[name]["rps"]
-        lines.append(f"| {name} | {c} | {'on' if batching else 'off'} | {r['rps']:.0f} | {r['p50_us'] / 1e3:.2f} | "
-                     f"{r['p99_us'] / 1e3:.2f} | {lim:.0f} | {r['rps'] / lim:.2f} |")
-    by = {(n, c, b): r["rps"] for n, c, b, r in rows}
-    summary = ["", "| workload | concurrency | batching on / off (throughput) |", "| --- | ---: | ---: |"]
+    lines = ["| workload | concurrency | server | req/s | p50 ms | p99 ms | CPU us / request | x plain | "
+             "x in-process |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in work:
         for c in concurrency:
-            summary.append(f"| {name} | {c} | {by[(name, c, True)] / by[(name, c, False)]:.2f} |")
+            plain = rows[(name, c, "plain")]["rps"]
+            for kind in kinds:
+                r = rows[(name, c, kind)]
+                lines.append(f"| {name} | {c} | {LABELS[kind]} | {r['rps']:.0f} | {r['p50_us'] / 1e3:.2f} | "
+                             f"{r['p99_us'] / 1e3:.2f} | {r['cpu_us']:.0f} | {r['rps'] / plain:.2f} | "
+                             f"{r['rps'] / limit[name]['rps']:.2f} |")
+    summary = ["", "The service (batching on) as a multiple of the plain server's throughput:", "",
+               "| workload | " + " | ".join(f"c={c}" for c in concurrency) + " |",
+               "| --- |" + " ---: |" * len(concurrency)]
+    for name in work:
+        summary.append(f"| {name} | " + " | ".join(
+            f"{rows[(name, c, 'on')]['rps'] / rows[(name, c, 'plain')]['rps']:.2f}x" for c in concurrency) + " |")
     legend = [f"- {name}: {text}" for name, (text, _) in work.items()]
+    legend += ["- plain: bench/plain_server.py, the ~40-line FastAPI server a user could write instead (orjson, "
+               "NumPy, the same ONNX models, no checks, no batching)",
+               "- service: `python -m service` at its defaults (access log on), batching on or off"]
     inproc = ["", "In-process limit (decode + session run + encode, one core, one ORT thread):", "",
               "| workload | req/s | p50 ms | p99 ms |", "| --- | ---: | ---: | ---: |"]
     inproc += [f"| {n} | {v['rps']:.0f} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} |" for n, v in limit.items()]
@@ -176,7 +211,8 @@ def main() -> int:
         text = (f"Run {stamp} on: {machine()}.\n\nCommand: `{command}`; "
                 f"server pinned to core {SERVER_CPU} (one ORT intra-op thread), wrk (1 thread) to core {LOAD_CPU}; "
                 f"{args.warmup:g} s warm-up then {args.duration:g} s per point; the median of {args.repeat} "
-                f"measurements of each point, batching on and off alternating, a fresh process for each.\n\n"
+                f"measurements of each point, the servers in alternating order, a fresh process for each. "
+                f"CPU us / request: the server process's user + system time over the point, per request.\n\n"
                 + "\n".join(legend) + "\n\n" + table + "\n")
         args.out.write_text(text)
     return 0

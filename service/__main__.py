@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from service.app import create_app, load_registry
 from service.config import get_settings
-from service.middleware import configure_logging
+from service.middleware import configure_logging, flush_logs
 from service.runtime import StartupError
 
 log = logging.getLogger("service")
@@ -43,6 +43,8 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
+            # The requests in progress (uvicorn's own set of their tasks): the batching reads how many.
+            self.app.state.dataplane.server_tasks = self.server_state.tasks
             log.info("serving on %s (API docs: %s/docs)", *[serving_url(self)] * 2)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -64,11 +66,12 @@ class GracefulServer(uvicorn.Server):
         ):
             await asyncio.sleep(0.01)
         await super().shutdown(sockets)
+        flush_logs()  # uvicorn re-raises the signal next, and a process ended by a signal skips atexit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.app.state.ready:
             log.info("signal %d: not ready; finishing %d requests in flight", sig,
-                     int(self.app.state.metrics.in_flight._value.get()))
+                     self.app.state.dataplane.in_flight)
         self.app.state.ready = False
         self.app.state.metrics.ready.set(0)
         super().handle_exit(sig, frame)

@@ -24,7 +24,7 @@ from service.config import Settings, get_settings
 from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
-from service.middleware import RequestContext, configure_logging
+from service.middleware import RequestContext, configure_logging, flush_logs
 from service.routes import attend, health, models
 from service.runtime import Registry
 
@@ -76,6 +76,8 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         app.state.scheduler = scheduler
         app.state.dataplane = Dataplane(registry, app.state.metrics, settings.request_limits(), scheduler,
                                         settings.resolved_inference_threads(), settings.inline_decode_bytes)
+        app.state.metrics.in_flight.set_function(lambda: app.state.dataplane.in_flight)
+        app.state.attend.dataplane = app.state.dataplane
         app.state.serving = True  # stays on while draining: what reaches a handler then was sent before
         app.state.ready = True
         app.state.metrics.ready.set(1)
@@ -86,7 +88,9 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
             app.state.ready = app.state.serving = False
             app.state.metrics.ready.set(0)
             await scheduler.stop()
+            app.state.attend.dataplane = None
             app.state.dataplane.close()
+            flush_logs()
 
     return lifespan
 
@@ -135,7 +139,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
     _offline_docs(app)
-    endpoint = attend.AttendEndpoint(app.state)
+    endpoint = app.state.attend = attend.AttendEndpoint(app.state)
     # POST /attend: the endpoint itself, ahead of the route that documents it.
     app.router.routes.append(Route("/attend", endpoint, methods=["POST"], include_in_schema=False))
     app.include_router(attend.router)

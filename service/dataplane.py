@@ -38,6 +38,10 @@ class Dataplane:
         self.limits = limits or RequestLimits()
         self.scheduler = scheduler
         self.inline_decode_bytes = inline_decode_bytes
+        self.in_flight = 0  # requests between their codec's start and end (the in-flight gauge reads it)
+        # The HTTP server's set of requests in progress, where it tells (uvicorn run by python -m
+        # service): a request that is the only one has nobody to wait for to share a batch.
+        self.server_tasks: set | None = None
         self._decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if scheduler else None
 
     def close(self) -> None:
@@ -77,7 +81,9 @@ class Dataplane:
                     is_disconnected: Any = None) -> Any:
         """The encoded response for `request`, through the batching queue."""
         assert self.scheduler is not None
-        return await self.scheduler.submit(Job(request, deadline, encode, is_disconnected))
+        tasks = self.server_tasks
+        return await self.scheduler.submit(Job(request, deadline, encode, is_disconnected),
+                                           alone=tasks is not None and len(tasks) <= 1)
 
     def attend(self, body: bytes) -> bytes:
         """Decode, run and encode one request, in the calling thread."""

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,10 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _MAX_DEPTH = 8
 _NUMBERS = frozenset({int, float})
 _EXCERPT = 64  # characters of a client's string quoted back in an error
+# Numbers beyond float32's range become inf in the cast and are refused just after; NumPy's warning
+# about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
+warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
+                        module=r"service\.decode")
 
 
 @dataclass(frozen=True)
@@ -152,26 +158,24 @@ def _parse_slowly(body: bytes) -> dict[str, Any]:
 def _fast_array(node: Any) -> tuple[np.ndarray, int] | None:
     """(float64 array, the number of JSON arrays it is made of), or None when the node is not a
     rectangular, non-empty array of numbers as far as can be told cheaply."""
-    if not isinstance(node, simdjson.Array):
+    if type(node) is not simdjson.Array:
         return None
     shape = []
     probe = node
-    while isinstance(probe, simdjson.Array):
+    while type(probe) is simdjson.Array:
         if len(shape) == _MAX_DEPTH or not len(probe):
             return None
         shape.append(len(probe))
         probe = probe[0]
     level, brackets = [node], 1
-    for size in shape[1:]:
-        rows = []
-        for parent in level:
-            for child in parent:
-                if not isinstance(child, simdjson.Array) or len(child) != size:
-                    return None
-                rows.append(child)
-        level = rows
-        brackets += len(rows)
     try:
+        for size in shape[1:]:
+            # Every row of this depth, and their lengths, in C loops (len() of a number raises;
+            # a string or an object among them is refused by as_buffer below).
+            level = list(chain.from_iterable(level))
+            if set(map(len, level)) != {size}:
+                return None
+            brackets += len(level)
         flat = np.frombuffer(node.as_buffer(of_type="d"), dtype=np.float64)
     except (TypeError, ValueError, RuntimeError):  # a non-number somewhere
         return None
@@ -272,8 +276,7 @@ def _float32(arr: np.ndarray, field: str, model: LoadedModel) -> np.ndarray:
     if arr.size == 0:
         raise InvalidShape(f"{field} must not be empty", field=field, expected=_pattern(model, field),
                            received=list(arr.shape))
-    with np.errstate(over="ignore"):  # beyond float32's range becomes inf, refused just below
-        out = arr.astype(np.float32)
+    out = arr.astype(np.float32)  # beyond float32's range becomes inf, refused just below
     if not np.isfinite(out).all():
         raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
     return out
@@ -283,22 +286,28 @@ def _bind(spec: TensorSpec, arr: np.ndarray, bound: dict[str, int], first_seen: 
           model: LoadedModel) -> None:
     """Match `arr.shape` to `spec.shape`: fixed sizes must be equal, a named axis takes the size
     of its first occurrence (batch, n_k, d ...) and every later occurrence must agree."""
-    before = dict(bound)  # the expected shape is stated with what the other fields fixed
     for axis, (want, got) in enumerate(zip(spec.shape, arr.shape, strict=True)):
-        if isinstance(want, int):
+        if want.__class__ is int:
             if got != want:
                 raise InvalidShape(
                     f"{spec.name} must have {want} features (axis {axis}) for model {model.name}, got {got}",
-                    field=spec.name, expected=_pattern(model, spec.name, before), received=list(arr.shape))
+                    field=spec.name, expected=_pattern(model, spec.name, _before(spec, bound, first_seen)),
+                    received=list(arr.shape))
         elif want in bound:
             if got != bound[want]:
                 other = first_seen[want]
                 raise InvalidShape(
                     f"{spec.name} has {want} = {got} on axis {axis}, but {other} has {want} = {bound[want]}",
-                    field=spec.name, expected=_pattern(model, spec.name, before), received=list(arr.shape))
+                    field=spec.name, expected=_pattern(model, spec.name, _before(spec, bound, first_seen)),
+                    received=list(arr.shape))
         else:
             bound[want] = got
             first_seen[want] = spec.name
+
+
+def _before(spec: TensorSpec, bound: dict[str, int], first_seen: dict[str, str]) -> dict[str, int]:
+    """What the fields before `spec` fixed: the expected shape of an error is stated with those."""
+    return {axis: size for axis, size in bound.items() if first_seen[axis] != spec.name}
 
 
 def _check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -> np.ndarray:
@@ -310,18 +319,25 @@ def _check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -
     if lens.shape not in ((batch,), (batch, n_q)):
         raise InvalidShape(f"valid_lens must have shape [batch] or [batch, n_q], got {list(lens.shape)}", field=field,
                            expected=shapes, received=list(lens.shape))
-    if lens.dtype.kind == "f":
-        whole = np.isfinite(lens) & (lens == np.floor(lens))
-        if not whole.all():
-            bad = float(lens[~whole].flat[0])
-            raise InvalidRequest(f"valid_lens must be whole numbers, got {bad}", field=field,
-                                 expected=f"integers from 0 to n_k = {n_k}", received=bad)
-    if lens.size and (lens.min() < 0 or lens.max() > n_k):
-        bad = lens.min() if lens.min() < 0 else lens.max()
+    if lens.size <= 64:  # a few lengths: plain Python is several times faster than NumPy's calls
+        values = lens.ravel().tolist()
+        whole = all(v.is_integer() for v in values) if lens.dtype.kind == "f" else True
+        low, high = (min(values), max(values)) if values else (0, 0)
+    else:
+        whole = lens.dtype.kind != "f" or bool((lens == np.floor(lens)).all())
+        low, high = lens.min(), lens.max()
+    if not whole:
+        bad = float(lens[lens != np.floor(lens)].flat[0])
+        raise InvalidRequest(f"valid_lens must be whole numbers, got {bad}", field=field,
+                             expected=f"integers from 0 to n_k = {n_k}", received=bad)
+    if low < 0 or high > n_k:
+        bad = low if low < 0 else high
         bad = int(bad) if abs(bad) < 2**63 else float(bad)
         raise InvalidRequest(f"valid_lens must be between 0 and n_k = {n_k}, got {bad}", field=field,
                              expected=f"0 <= valid_len <= {n_k}", received=bad)
-    return valid_lens_2d(lens.astype(np.int64), batch, n_q, n_k)
+    out = np.empty((batch, n_q), dtype=np.int64)
+    out[...] = lens[:, None] if lens.ndim == 1 else lens
+    return out
 
 
 def _check_limits(limits: RequestLimits, model: LoadedModel, batch: int, n_q: int, n_k: int,

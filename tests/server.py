@@ -26,18 +26,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[str] = (), log_path: Path | None = None,
+                    command: Sequence[str] | None = None, ready_path: str = "/health/ready",
                     **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Yield (base URL, process) once /health/ready answers 200; stop the process afterwards.
+    """Yield (base URL, process) once `ready_path` answers 200; stop the process afterwards.
 
-    `prefix` goes before the command (e.g. `taskset -c 0`). The log goes to a file (`log_path`, or a
-    temporary one), not a pipe nobody reads, which a long run would fill until the service blocks on it.
+    `prefix` goes before the command (e.g. `taskset -c 0`); `command` replaces `python -m service`,
+    with `{port}` in it replaced by the port. The log goes to a file (`log_path`, or a temporary one),
+    not a pipe nobody reads, which a long run would fill until the service blocks on it.
     """
     port = free_port()
     environ = os.environ | {"ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository),
                             "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"} | env
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "service"], cwd=ROOT, env=environ,
-                            stdout=subprocess.DEVNULL, stderr=log, text=True)
+    argv = [a.replace("{port}", str(port)) for a in command] if command else [sys.executable, "-m", "service"]
+    proc = subprocess.Popen([*prefix, *argv], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL, stderr=log,
+                            text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -46,7 +49,7 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
                 log.seek(0)
                 raise RuntimeError(f"the service exited with {proc.returncode}: {log.read()}")
             try:
-                if httpx.get(f"{url}/health/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{url}{ready_path}", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

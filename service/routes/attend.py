@@ -125,28 +125,36 @@ def disconnect_probe(receive: Receive) -> Any:
 
 
 class AttendEndpoint:
+    """POST /attend. What it reads on every request is bound here, not looked up on the app's
+    state (a Starlette State attribute costs a Python-level __getattr__ each)."""
+
     def __init__(self, state: Any):
-        self.state = state  # the app's state: settings, dataplane, metrics, readiness, keys
+        self.state = state  # readiness (`serving`) lives there: the lifespan and the server change it
+        self.settings = state.settings
+        self.metrics = state.metrics
+        self.api_keys: tuple[bytes, ...] = state.api_keys
+        self.dataplane: Any = None  # bound by the lifespan, once the models are loaded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self.state
-        metrics = state.metrics
+        metrics = self.metrics
+        dataplane = self.dataplane
+        # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
+        # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
+        if dataplane is None or not self.state.serving:
+            metrics.model("-").status(503).inc()
+            await send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}))
+            return
         start = time.perf_counter()
         model = "-"
-        metrics.in_flight.inc()
+        dataplane.in_flight += 1
         try:
-            # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
-            # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
-            if not state.serving:
-                raise NotReady("the service is not ready", headers={"Retry-After": "1"})
             headers = dict(scope["headers"])
-            if state.api_keys:
-                check_api_key(headers.get(b"authorization"), state.api_keys)
+            if self.api_keys:
+                check_api_key(headers.get(b"authorization"), self.api_keys)
             check_media_type(headers)
-            settings = state.settings
+            settings = self.settings
             until = deadline(headers, settings.request_timeout_s)
             body = await read_body(receive, headers, settings.max_body_bytes)
-            dataplane = state.dataplane
             request = await dataplane.decode_async(body, until)
             model = request.model.name
             content = await dataplane.infer(request, until, encode_attend, disconnect_probe(receive))
@@ -161,7 +169,7 @@ class AttendEndpoint:
             await send_error(send, ServiceError("internal server error"))
             return
         finally:
-            metrics.in_flight.dec()
+            dataplane.in_flight -= 1
         children = metrics.model(model)
         children.status(200).inc()
         children.latency.observe(time.perf_counter() - start)
