@@ -140,7 +140,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     install_error_handlers(app)
     _offline_docs(app)
     endpoint = app.state.attend = attend.AttendEndpoint(app.state)
-    # POST /attend: the endpoint itself, ahead of the route that documents it.
+    # POST /attend: the endpoint itself (its own request ID and access log), ahead of the route that
+    # documents it; RequestContext skips it.
     app.router.routes.append(Route("/attend", endpoint, methods=["POST"], include_in_schema=False))
     app.include_router(attend.router)
     # Without keys there is nothing to check: no dependency at all on the request path.
@@ -154,7 +155,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Request-Timeout-Ms"],
                            expose_headers=["X-Request-ID", "Retry-After"])
     else:
-        app.fast_path = RequestContext(endpoint)
+        app.fast_path = endpoint
     app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
 

@@ -97,20 +97,30 @@ def flush_logs() -> None:
         handler.flush()
 
 
+def new_request_id(incoming: bytes | None) -> tuple[str, bytes]:
+    """The request's ID, as text and as a header value: the client's when it is a sane token."""
+    if incoming is not None:
+        text = incoming.decode("latin-1")
+        if _SANE.match(text):
+            return text, incoming
+    text = f"{_PREFIX}{next(_COUNTER):x}"
+    return text, text.encode()
+
+
+def log_access(method: str, path: str, status: int, seconds: float) -> None:
+    if access.isEnabledFor(logging.INFO):
+        access.info("%s %s %d %.1fms", method, path, status or 499, 1e3 * seconds)
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or (scope["path"] == "/attend" and scope["method"] == "POST"):
+            await self.app(scope, receive, send)  # POST /attend does its own (service.routes.attend)
             return
-        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        if incoming is not None and _SANE.match(incoming.decode("latin-1")):
-            rid, rid_bytes = incoming.decode("latin-1"), incoming
-        else:
-            rid = f"{_PREFIX}{next(_COUNTER):x}"
-            rid_bytes = rid.encode()
+        rid, rid_bytes = new_request_id(next((v for k, v in scope["headers"] if k == b"x-request-id"), None))
         token = request_id.set(rid)
         start = time.perf_counter()
         status = 0  # no response: the client went away first
@@ -125,7 +135,5 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            if access.isEnabledFor(logging.INFO):
-                access.info("%s %s %d %.1fms", scope["method"], scope["path"], status or 499,
-                            1e3 * (time.perf_counter() - start))
+            log_access(scope["method"], scope["path"], status, time.perf_counter() - start)
             request_id.reset(token)

@@ -29,6 +29,7 @@ from service.errors import (
     ServiceError,
     UnsupportedMediaType,
 )
+from service.middleware import log_access, new_request_id, request_id
 from service.schemas import AttendRequest, AttendResponse, error_responses, toy_request
 
 log = logging.getLogger("service")
@@ -101,15 +102,16 @@ def deadline(headers: dict[bytes, bytes], default_s: float) -> float:
     return time.monotonic() + timeout
 
 
-async def send_body(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_body(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or ())]})
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: ServiceError) -> None:
+async def send_error(send: Send, error: ServiceError, headers: list[tuple[bytes, bytes]]) -> int:
     extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await send_body(send, error.status, orjson.dumps(error.body()), extra)
+    await send_body(send, error.status, orjson.dumps(error.body()), [*headers, *extra])
+    return error.status
 
 
 def disconnect_probe(receive: Receive) -> Any:
@@ -136,19 +138,33 @@ class AttendEndpoint:
         self.dataplane: Any = None  # bound by the lifespan, once the models are loaded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Served with its request ID and access log line (service.middleware's, inline here: this
+        is the path of every request, and RequestContext's wrapper of `send` costs a layer)."""
+        start = time.perf_counter()
+        headers = dict(scope["headers"])
+        rid, rid_header = new_request_id(headers.get(b"x-request-id"))
+        token = request_id.set(rid)
+        extra = [(b"x-request-id", rid_header)]
+        status = 500
+        try:
+            status = await self._serve(scope, headers, receive, send, extra, start)
+        finally:
+            log_access("POST", "/attend", status, time.perf_counter() - start)
+            request_id.reset(token)
+
+    async def _serve(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send,
+                     extra: list[tuple[bytes, bytes]], start: float) -> int:
+        """The response's status, once sent (0: the client went away, nothing was sent)."""
         metrics = self.metrics
         dataplane = self.dataplane
         # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
         # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
         if dataplane is None or not self.state.serving:
             metrics.model("-").status(503).inc()
-            await send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}))
-            return
-        start = time.perf_counter()
+            return await send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}), extra)
         model = "-"
         dataplane.in_flight += 1
         try:
-            headers = dict(scope["headers"])
             if self.api_keys:
                 check_api_key(headers.get(b"authorization"), self.api_keys)
             check_media_type(headers)
@@ -160,17 +176,17 @@ class AttendEndpoint:
             content = await dataplane.infer(request, until, encode_attend, disconnect_probe(receive))
         except ServiceError as e:
             metrics.model(e.model or model).status(e.status).inc()
-            if not isinstance(e, ClientGone):  # nobody to answer
-                await send_error(send, e)
-            return
+            if isinstance(e, ClientGone):
+                return 0  # nobody to answer
+            return await send_error(send, e, extra)
         except Exception:
             log.exception("unhandled error on POST /attend")
             metrics.model(model).status(500).inc()
-            await send_error(send, ServiceError("internal server error"))
-            return
+            return await send_error(send, ServiceError("internal server error"), extra)
         finally:
             dataplane.in_flight -= 1
         children = metrics.model(model)
         children.status(200).inc()
         children.latency.observe(time.perf_counter() - start)
-        await send_body(send, 200, content)
+        await send_body(send, 200, content, extra)
+        return 200

@@ -73,6 +73,11 @@ def test_cors_when_configured(settings):
         other = client.options("/attend", headers={"Origin": "https://evil.example.org",
                                                    "Access-Control-Request-Method": "POST"})
         assert other.headers.get("access-control-allow-origin") != "https://evil.example.org"
+        # The request itself (through FastAPI's stack when CORS is on): the header, one request ID.
+        response = client.post("/attend", json=toy_request(), headers={"Origin": "https://app.example.org"})
+        assert response.status_code == 200 and response.json()["model"] == "additive"
+        assert response.headers["access-control-allow-origin"] == "https://app.example.org"
+        assert len(response.headers.get_list("x-request-id")) == 1
 
 
 def test_request_id_in_and_out_and_in_the_logs(client, caplog):
