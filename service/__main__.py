@@ -43,8 +43,10 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            # The requests in progress (uvicorn's own set of their tasks): the batching reads how many.
+            # The requests in progress and the open connections (uvicorn's own sets): the batching
+            # reads how many.
             self.app.state.dataplane.server_tasks = self.server_state.tasks
+            self.app.state.scheduler.connections = self.server_state.connections
             log.info("serving on %s (API docs: %s/docs)", *[serving_url(self)] * 2)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

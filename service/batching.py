@@ -145,6 +145,8 @@ class Batcher:
         self.heads = _heads(model)
         self.groups: dict[tuple, deque[Job]] = {}
         self._waiter: asyncio.Future | None = None  # the batcher's task, waiting for work
+        self._gathering: asyncio.Future | None = None  # a batch waiting for more requests
+        self._gather_target = 0
         self.size = 0
         self.stepping = False  # a batch is being taken and run (by the batcher's task or by a leader)
         # Seconds per row of a session run, by length bucket: what decides inline or thread.
@@ -158,6 +160,8 @@ class Batcher:
         self.size += 1
         if not self.stepping:
             self.wake()
+        elif self._gathering is not None and self.size >= self._gather_target and not self._gathering.done():
+            self._gathering.set_result(None)  # the batch being gathered is as full as it can get
 
     def wake(self) -> None:
         # A bare future on the cached loop, not asyncio.Event: Event looks the running loop up on
@@ -179,9 +183,7 @@ class Batcher:
         group = self._oldest_group()
         limits = self.limits
         if limits.enabled and limits.max_wait_s > 0:
-            wait = group[0].enqueued + limits.max_wait_s - time.monotonic()
-            if wait > 0 and sum(j.rows for j in group) < limits.max_rows:
-                await asyncio.sleep(wait)
+            await self._gather(group)
         heads = self.heads
         jobs: list[Job] = []
         rows = n_q = n_k = 0
@@ -211,6 +213,25 @@ class Batcher:
             for key in [k for k, g in self.groups.items() if not g]:
                 del self.groups[key]
         return jobs
+
+    async def _gather(self, group: deque[Job]) -> None:
+        """Wait (at most `max_wait_s` after the oldest job came) for more requests to join, while
+        fewer are queued than the server has connections: other clients may be about to send. A
+        server that says it has no other connection is not waited for; one that does not say (a test
+        client) is waited for the whole `max_wait_s`."""
+        connections = self.scheduler.connections
+        target = len(connections) if connections is not None else 1 << 30
+        wait = group[0].enqueued + self.limits.max_wait_s - time.monotonic()
+        if wait <= 0 or self.size >= target or sum(j.rows for j in group) >= self.limits.max_rows:
+            return
+        loop = self.scheduler.loop
+        self._gathering, self._gather_target = loop.create_future(), target
+        timer = loop.call_later(wait, _resolve, self._gathering)
+        try:
+            await self._gathering
+        finally:
+            timer.cancel()
+            self._gathering = None
 
     def _inline(self, jobs: list[Job]) -> bool:
         per_row = self.per_row.get(jobs[0].key)
@@ -320,6 +341,9 @@ class Scheduler:
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="inference")
         self.queued = 0
         self.paused = False
+        # The HTTP server's open connections, where it tells (uvicorn run by python -m service):
+        # how many requests a batch can expect at most.
+        self.connections: set | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self.batchers = {m.name: Batcher(m, limits, self) for m in models}
         self._tasks: set[asyncio.Task] = set()
@@ -378,6 +402,11 @@ class Scheduler:
             timer.cancel()
             if not future.done():
                 future.cancel()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _expire(future: asyncio.Future) -> None:

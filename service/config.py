@@ -53,7 +53,11 @@ class Settings(BaseSettings):
     # A batch stops growing at this many padded weight elements (rows * heads * n_q * n_k): past
     # ~128K a session run is compute-bound, and merging only adds copies and head-of-line latency.
     max_batch_elements: int = Field(128 * 1024, ge=1, description="padded rows * heads * n_q * n_k")
-    max_batch_wait_us: int = Field(0, ge=0, description="how long a batch's first request waits for others")
+    # How long a batch's first request may wait for others, while fewer requests are queued than the
+    # server has open connections (with one connection, or one request alone, nothing waits).
+    # Measured (docs/benchmarks.md): at concurrency 16 it merges more requests a run for more
+    # throughput and lower latency; 0 takes only what is queued.
+    max_batch_wait_us: int = Field(300, ge=0, description="how long a batch's first request waits for others")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
     # Connections served at once (uvicorn's limit_concurrency); more get 503. With the body limit,
     # it bounds the memory that request bodies can hold before they are decoded.
