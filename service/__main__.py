@@ -47,7 +47,9 @@ class GracefulServer(uvicorn.Server):
             # reads how many.
             self.app.state.dataplane.server_tasks = self.server_state.tasks
             self.app.state.scheduler.connections = self.server_state.connections
-            log.info("serving on %s (API docs: %s/docs)", *[serving_url(self)] * 2)
+            loop = type(asyncio.get_running_loop())
+            log.info("serving on %s (API docs: %s/docs); uvicorn on %s.%s with %s", *[serving_url(self)] * 2,
+                     loop.__module__, loop.__qualname__, self.config.http_protocol_class.__name__)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Readiness is off already. Keep accepting a moment first: connections whose handshake
@@ -100,7 +102,10 @@ def main() -> int:
         log.critical("cannot start: %s", e)
         return 1
     # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
+    # proxy_headers off: X-Forwarded-For would only rewrite the client address, which nothing here reads,
+    # and its middleware is a layer every request passes.
     common = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
+              "proxy_headers": False,
               "timeout_graceful_shutdown": settings.grace_period_s, "limit_concurrency": settings.max_connections}
     if settings.workers == 1:
         app = create_app(settings, registry)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -56,19 +55,12 @@ def load_registry(settings: Settings) -> Registry:
                          settings.cuda_tf32, settings.warmup, settings.skip_broken_models)
 
 
-def _report_server() -> None:
-    """Which event loop uvicorn really runs (uvloop when installed); said once at start-up."""
-    loop = type(asyncio.get_running_loop())
-    log.debug("event loop: %s.%s", loop.__module__, loop.__qualname__)
-
-
 def _lifespan(settings: Settings, preloaded: Registry | None):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Sessions are created (and warmed up) here, once, never at import time, unless the
         # caller loaded them already (python -m service does, to fail fast with one line).
         registry = preloaded or await anyio.to_thread.run_sync(load_registry, settings)
-        _report_server()
         app.state.registry = registry
         scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(),
                               settings.resolved_inference_threads(), app.state.metrics)

@@ -72,6 +72,21 @@ class _Flusher(threading.Thread):
                 self.handler.flush()
 
 
+class _Formatter(logging.Formatter):
+    """The service's format, with the date and time part computed once a second, not once a line."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+        self._second = -1
+        self._stamp = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        second = int(record.created)
+        if second != self._second:
+            self._second, self._stamp = second, time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
+        return f"{self._stamp},{int(record.msecs):03d}"
+
+
 def configure_logging(level: str) -> None:
     """One format for every line, the request ID in each. uvicorn logs through it too (it is given
     log_config=None); its start-up chatter only at debug. Worker processes call this again."""
@@ -80,7 +95,7 @@ def configure_logging(level: str) -> None:
     logging.logProcesses = logging.logMultiprocessing = logging.logThreads = False
     logging._srcfile = None  # the documented way to skip findCaller (logging's "Optimization" notes)
     stream = logging.StreamHandler()
-    stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    stream.setFormatter(_Formatter())
     # Records are kept (with their request ID, taken here) and written in batches: every LOG_FLUSH_S,
     # when 512 are waiting, at once for a WARNING or worse, and by flush_logs() before the process exits.
     buffered = _BatchHandler(stream)

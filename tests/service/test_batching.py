@@ -252,3 +252,85 @@ def test_timeout_header_shortens_the_deadline(client):
     response = client.post("/attend", json=toy_request(), headers={"X-Request-Timeout-Ms": "soon"})
     assert response.status_code == 422 and response.json()["error"]["field"] == "X-Request-Timeout-Ms"
     assert client.post("/attend", json=toy_request(), headers={"X-Request-Timeout-Ms": "5000"}).status_code == 200
+
+
+# --- the endpoint itself: a gone client, a deadline, on the real request path (no TestClient) --
+
+async def _asgi(app, body, receive_after_body=None, headers=()):
+    """Call the app as a server would; returns (messages sent, status)."""
+    sent = []
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if receive_after_body is not None:
+            return await receive_after_body()
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/attend", "raw_path": b"/attend", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80), "state": {}}
+    await app(scope, receive, send)
+    return sent
+
+
+@contextlib.asynccontextmanager
+async def _started(settings):
+    app = create_app(settings)
+    inbox, outbox = asyncio.Queue(), asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    task = asyncio.get_running_loop().create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                                                      inbox.get, outbox.put))
+    assert (await outbox.get())["type"] == "lifespan.startup.complete"
+    try:
+        yield app
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await task
+
+
+def _status_count(app, model, status):
+    return app.state.metrics.requests.labels(model, str(status))._value.get()
+
+
+@pytest.mark.anyio
+async def test_a_client_gone_while_queued_is_dropped_and_counted_499(settings, caplog):
+    async with _started(settings) as app:
+        app.state.scheduler.pause()
+
+        async def disconnect():
+            return {"type": "http.disconnect"}
+
+        body = json.dumps(toy_request()).encode()
+        task = asyncio.create_task(_asgi(app, body, disconnect))
+        await asyncio.sleep(0.05)  # queued, and older than the 2 ms after which clients are asked
+        app.state.scheduler.resume()
+        sent = await task
+        assert sent == []  # nobody to answer
+        assert _status_count(app, "additive", 499) == 1
+        assert app.state.metrics.batch_requests.labels("additive")._sum.get() == 0  # never ran
+    assert "Traceback" not in caplog.text and "unhandled" not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_deadline_passing_in_the_queue_is_504_at_the_deadline(settings):
+    async with _started(settings) as app:
+        app.state.scheduler.pause()
+        body = json.dumps(toy_request()).encode()
+        start = time.monotonic()
+        sent = await _asgi(app, body, headers=[(b"x-request-timeout-ms", b"100")])
+        waited = time.monotonic() - start
+        assert sent[0]["status"] == 504 and 0.09 < waited < 1.0
+        assert json.loads(sent[1]["body"])["error"]["code"] == "deadline_exceeded"
+        app.state.scheduler.resume()
+        sent = await _asgi(app, body)
+        assert sent[0]["status"] == 200
+        assert app.state.metrics.batch_requests.labels("additive")._sum.get() == 1  # the late one never ran

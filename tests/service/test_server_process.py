@@ -67,3 +67,44 @@ def test_cuda_required_without_cuda_is_one_line_and_exit_1(repository):
     assert result.returncode == 1
     assert len(lines) == 1, result.stderr
     assert "cannot start: ATTEND_DEVICE=cuda but CUDA cannot be used (" in lines[0]
+
+
+def test_the_server_runs_uvloop_and_httptools(repository, tmp_path):
+    log = tmp_path / "service.log"
+    with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info"):
+        pass
+    assert "uvicorn on uvloop.Loop with HttpToolsProtocol" in log.read_text()
+
+
+def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(repository):
+    """The real server: many clients at once, mixed models, shapes and valid lengths. Each answer
+    equals the request's own unbatched answer (computed in this process, no batching), and some
+    session runs really merged several requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.dataplane import Dataplane
+    from service.metrics import Metrics
+    from service.runtime import Registry
+    from tests.service.test_batching import assert_same, mixed_bodies
+
+    bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention")
+              for b in mixed_bodies(kind, 24, seed=11)]
+    alone = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
+    with running_service(repository) as (url, _):
+        with httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_connections=32)) as http:
+            def send(body):
+                return http.post("/attend", content=body, headers={"content-type": "application/json"})
+
+            for _ in range(3):  # the first runs of a length bucket go to the inference thread; later ones inline
+                with ThreadPoolExecutor(32) as pool:
+                    responses = list(pool.map(send, bodies))
+                for body, response in zip(bodies, responses, strict=True):
+                    assert response.status_code == 200, response.text
+                    assert_same(response.content, alone.attend(body))
+            metrics = http.get("/metrics").text
+    def total(name):
+        return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
+
+    runs, served = total("attend_batch_requests_count"), total("attend_batch_requests_sum")
+    assert served == 3 * len(bodies)
+    assert runs < served  # merged
