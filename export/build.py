@@ -11,12 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
 from export.errors import CheckpointError, ExportError
 from export.repository import example_feed, signature
-from models import AdditiveAttention, DotProductAttention, MultiHeadAttention, SelfAttention
+from models import (
+    AdditiveAttention,
+    DotProductAttention,
+    MaskedSoftmax,
+    MultiHeadAttention,
+    SelfAttention,
+    SinusoidalEncoding,
+)
 
 __all__ = ["build_module", "export_onnx", "load_checkpoint", "make_inputs", "read_state_dict", "sizes_from_state"]
 
@@ -25,7 +33,7 @@ logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(loggin
 
 # Sizes of the example inputs that the exporter traces with: distinct, and neither 0 nor 1,
 # so that torch.export cannot specialise an axis or mistake one axis for another.
-_EXAMPLE_SIZES = {"batch": 3, "n_q": 4, "n_k": 5, "n": 6, "d": 7, "value_size": 9}
+_EXAMPLE_SIZES = {"batch": 3, "n_q": 4, "n_k": 5, "n": 6, "d": 8, "value_size": 9}
 
 
 def build_module(kind: str, hp: dict[str, Any]) -> nn.Module:
@@ -41,6 +49,10 @@ def build_module(kind: str, hp: dict[str, Any]) -> nn.Module:
         )
     elif kind == "self_attention":
         module = SelfAttention(hp["num_hiddens"], hp["num_heads"], dropout=0.0, max_len=hp["max_len"], bias=hp["bias"])
+    elif kind == "masked_softmax":
+        module = MaskedSoftmax()
+    elif kind == "positional_encoding":
+        module = SinusoidalEncoding(max_len=hp["max_len"])
     else:
         raise ExportError(f"unknown kind {kind!r}")
     return module.eval()
@@ -111,6 +123,20 @@ def make_inputs(kind: str, hp: dict[str, Any], sizes: dict[str, int], seed: int)
     return [torch.from_numpy(a) for a in feed.values()]
 
 
+def _name_axes(graph: Any, inputs: list, outputs: list) -> bool:
+    """The graph's dynamic axes as the signature names them (torch.export may call them otherwise,
+    e.g. "2*half_d" for an even d); the service checks its sessions against the signature. Whether
+    any was renamed."""
+    renamed = False
+    for values, specs in ((graph.input, inputs), (graph.output, outputs)):
+        for value, spec in zip(values, specs, strict=True):
+            for dim, want in zip(value.type.tensor_type.shape.dim, spec.shape, strict=True):
+                if isinstance(want, str) and dim.dim_param != want:
+                    dim.dim_param = want
+                    renamed = True
+    return renamed
+
+
 def export_onnx(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> int:
     """Write `module` to `path` as one self-contained ONNX file; returns the opset."""
     inputs, outputs = signature(kind, hp)
@@ -120,6 +146,9 @@ def export_onnx(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) ->
             if name not in dims:
                 top = hp["max_len"] if name == "n" else None
                 dims[name] = torch.export.Dim(name, max=top) if top else torch.export.Dim(name)
+                if kind == "positional_encoding" and name == "d":
+                    # sin and cos interleave: d is even, and torch.export must be told so.
+                    dims[name] = 2 * torch.export.Dim("half_d")
     dynamic_shapes = tuple({axis: dims[name] for axis, name in spec.dynamic_axes.items()} for spec in inputs)
     example = make_inputs(kind, hp, _EXAMPLE_SIZES, seed=0)
     # The exporter narrates every step on stdout and warns about things that do not concern us
@@ -140,4 +169,7 @@ def export_onnx(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) ->
             raise ExportError(f"torch.onnx.export failed for {kind}: {e}") from e
     assert program is not None
     program.save(str(path), external_data=False)
+    model = onnx.load(str(path))
+    if _name_axes(model.graph, inputs, outputs):
+        onnx.save(model, str(path))
     return max(op.version for op in program.model_proto.opset_import if op.domain in ("", "ai.onnx"))

@@ -26,6 +26,8 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "additive": ("key_size", "query_size", "num_hiddens"),
     "multi_head": ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "bias"),
     "self_attention": ("num_hiddens", "num_heads", "max_len", "bias"),
+    "masked_softmax": (),
+    "positional_encoding": ("max_len",),
 }
 _ALL_FLAGS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "max_len", "bias")
 
@@ -34,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export",
         description="Export attention modules to a validated ONNX model repository. "
-        "Without --kind: the default repository (dot_product, additive, multi_head, self_attention).",
+        "Without --kind: the default repository (dot_product, additive, multi_head, self_attention, "
+        "masked_softmax, positional_encoding).",
     )
     p.add_argument("--repository", type=Path, default=Path("model_repository"),
                    help="target folder (default: %(default)s)")

@@ -41,7 +41,7 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 MODEL_FILE = "model.onnx"
-KINDS = ("dot_product", "additive", "multi_head", "self_attention")
+KINDS = ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding")
 
 # The book's configurations: the default repository and the defaults of `--kind`.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -56,6 +56,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "bias": False,
     },
     "self_attention": {"num_hiddens": 100, "num_heads": 5, "max_len": 1000, "bias": False},
+    "masked_softmax": {},
+    "positional_encoding": {"max_len": 1000},
 }
 
 
@@ -96,6 +98,23 @@ def signature(kind: str, hp: dict[str, Any]) -> tuple[list[TensorSpec], list[Ten
     elif kind == "multi_head":
         q_size, k_size, v_size = hp["query_size"], hp["key_size"], hp["value_size"]
         out_size = hp["num_hiddens"]
+    elif kind == "masked_softmax":
+        # The scoring function's output in, its weights out: `outputs` is the same tensor, so that
+        # every model answers with the same two names.
+        inputs = [
+            TensorSpec("scores", f32, ("batch", "n_q", "n_k")),
+            TensorSpec("valid_lens", i64, ("batch", "n_q")),
+        ]
+        outputs = [
+            TensorSpec("outputs", f32, ("batch", "n_q", "n_k")),
+            TensorSpec("attention_weights", f32, ("batch", "n_q", "n_k")),
+        ]
+        return inputs, outputs
+    elif kind == "positional_encoding":
+        # X + P for any even feature size d and n <= max_len; P itself comes back too.
+        inputs = [TensorSpec("queries", f32, ("batch", "n", "d"))]
+        outputs = [TensorSpec("outputs", f32, ("batch", "n", "d")), TensorSpec("P", f32, ("n", "d"))]
+        return inputs, outputs
     elif kind == "self_attention":
         d = hp["num_hiddens"]
         inputs = [

@@ -56,6 +56,11 @@ def sweep(kind: str, hp: dict[str, Any]) -> list[Case]:
         # One sequence axis: n_q == n_k; also the longest sequence the model accepts.
         cases = [Case(c.batch, c.n_q, c.n_q, c.lens) for c in cases]
         cases += [Case(2, 9, 9, "2d"), Case(1, hp["max_len"], hp["max_len"], "1d")]
+    if kind == "positional_encoding":
+        # One sequence axis, no lengths, an even d (odd ones included above become even); the longest
+        # sequence, and the chapter's figure (60 positions x 32 dimensions).
+        cases = [Case(c.batch, c.n_q, c.n_q, "none", d=c.d + c.d % 2) for c in cases]
+        cases += [Case(1, 60, 60, "none", d=32), Case(2, hp["max_len"], hp["max_len"], "none", d=100)]
     return cases
 
 
@@ -87,12 +92,14 @@ def run_case(module: nn.Module, session: ort.InferenceSession, kind: str, hp: di
     sizes = {"batch": case.batch, "n_q": case.n_q, "n_k": case.n_k, "n": case.n_q, "d": case.d,
              "value_size": case.value_size}
     tensors = make_inputs(kind, hp, sizes, seed)
-    floats = tensors[:-1]  # valid_lens comes last in every signature
-    lens = _valid_lens(case, case.n_k, np.random.default_rng(seed))
+    has_lens = inputs[-1].name == "valid_lens"  # it comes last where a signature has it
+    floats = tensors[:-1] if has_lens else tensors
+    lens = _valid_lens(case, case.n_k, np.random.default_rng(seed)) if has_lens else None
     with torch.no_grad():
-        expected = module(*floats, None if lens is None else torch.from_numpy(lens))
+        expected = module(*floats, None if lens is None else torch.from_numpy(lens)) if has_lens else module(*floats)
     feed = {spec.name: t.numpy() for spec, t in zip(inputs, floats, strict=False)}
-    feed["valid_lens"] = valid_lens_2d(lens, case.batch, case.n_q, case.n_k)
+    if has_lens:
+        feed["valid_lens"] = valid_lens_2d(lens, case.batch, case.n_q, case.n_k)
     try:
         actual = session.run([s.name for s in outputs], feed)
     except Exception as e:

@@ -17,6 +17,7 @@ from torch import nn
 __all__ = [
     "AdditiveAttention",
     "DotProductAttention",
+    "MaskedSoftmax",
     "MultiHeadAttention",
     "masked_softmax",
 ]
@@ -47,6 +48,20 @@ def masked_softmax(scores: torch.Tensor, valid_lens: torch.Tensor | None) -> tor
     filled = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     weights = nn.functional.softmax(filled, dim=-1)
     return torch.where(keep, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+
+
+class MaskedSoftmax(nn.Module):
+    """`masked_softmax` as a module, so that it exports (and is served) on its own: scores in,
+    attention weights out (twice: as `outputs` and as `attention_weights`, the names every other
+    model of the service answers with)."""
+
+    def forward(
+        self,
+        scores: torch.Tensor,  # (batch, n_q, n_k)
+        valid_lens: torch.Tensor | None = None,  # None, (batch,) or (batch, n_q)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = masked_softmax(scores, valid_lens)  # (batch, n_q, n_k)
+        return weights, weights
 
 
 class AdditiveAttention(nn.Module):

@@ -7,18 +7,23 @@ from torch import nn
 
 from models.attention import MultiHeadAttention
 
-__all__ = ["PositionalEncoding", "SelfAttention", "sinusoidal_table"]
+__all__ = ["PositionalEncoding", "SelfAttention", "SinusoidalEncoding", "sinusoidal_table"]
 
 
 def sinusoidal_table(max_len: int, num_hiddens: int) -> torch.Tensor:
-    """P[i, 2j] = sin(i / 10000^(2j/d)), P[i, 2j+1] = cos(i / 10000^(2j/d)); shape (max_len, d)."""
-    P = torch.zeros(max_len, num_hiddens)
-    X = torch.arange(max_len, dtype=torch.float32).reshape(-1, 1) / torch.pow(
-        10000, torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens
+    """P[i, 2j] = sin(i / 10000^(2j/d)), P[i, 2j+1] = cos(i / 10000^(2j/d)); shape (max_len, d).
+
+    Computed in float64, then rounded to float32: the book's float32 arithmetic is off by up to
+    6e-5 at position 1000 (the angle's rounding, times 1000), and two float32 implementations of pow
+    and sin (PyTorch's, ONNX Runtime's) disagree by as much. In float64 both round to the same P.
+    """
+    P = torch.zeros(max_len, num_hiddens, dtype=torch.float64)
+    X = torch.arange(max_len, dtype=torch.float64).reshape(-1, 1) / torch.pow(
+        10000, torch.arange(0, num_hiddens, 2, dtype=torch.float64) / num_hiddens
     )  # (max_len, ceil(d / 2))
     P[:, 0::2] = torch.sin(X)
     P[:, 1::2] = torch.cos(X[:, : num_hiddens // 2])  # an odd d has one cosine column fewer
-    return P
+    return P.to(torch.float32)
 
 
 class PositionalEncoding(nn.Module):
@@ -37,6 +42,27 @@ class PositionalEncoding(nn.Module):
         if X.shape[1] > self.P.shape[1]:
             raise ValueError(f"sequence length {X.shape[1]} exceeds max_len {self.P.shape[1]}")
         return self.dropout(X + self.P[:, : X.shape[1], :])  # (batch, n, num_hiddens)
+
+
+class SinusoidalEncoding(nn.Module):
+    """X + P for any (even) feature size: P computed from X's shape with the chapter's formula,
+    operation for operation as `sinusoidal_table` does, so that it exports with n and d dynamic
+    (a table would fix d). Returns (X + P, P); P is (n, d)."""
+
+    def __init__(self, max_len: int = 1000):
+        super().__init__()
+        self.max_len = max_len
+
+    def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # X: (batch, n, d), d even
+        n, d = X.shape[1], X.shape[2]
+        position = torch.arange(n, dtype=torch.float64).reshape(-1, 1)  # (n, 1)
+        # A tensor, not a Python number: keeps d symbolic in the exported graph. float64 as in
+        # sinusoidal_table, for the same P to the last bit.
+        size = torch.tensor(d, dtype=torch.float64)
+        angle = position / torch.pow(10000, torch.arange(0, d, 2, dtype=torch.float64) / size)  # (n, d / 2)
+        P = torch.stack([torch.sin(angle), torch.cos(angle)], dim=-1).reshape(n, d)  # sin, cos interleaved
+        P = P.to(torch.float32)
+        return X + P, P  # (batch, n, d), (n, d)
 
 
 class SelfAttention(MultiHeadAttention):

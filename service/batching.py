@@ -42,8 +42,8 @@ from service.runtime import LoadedModel
 
 log = logging.getLogger("service")
 
-# (outputs, attention weights or None) of one request -> its response body
-Encoder = Callable[[LoadedModel, np.ndarray, np.ndarray | None], Any]
+# (model, one request's outputs by name, whether it asked for the attention weights) -> its response body
+Encoder = Callable[[LoadedModel, dict[str, np.ndarray], bool], Any]
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,17 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class Job:
-    """One request in the queue: its future gets the encoded response, or the error."""
+_SEQUENCE = ("n_q", "n_k", "n")
 
-    __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "rows", "n_q", "n_k",
-                 "key")
+
+class Job:
+    """One request in the queue: its future gets the encoded response, or the error.
+
+    `axes` holds the request's size of every named axis of its model's signature (batch, n_q, n_k
+    or n, and the free feature sizes); requests group by feature sizes and length buckets."""
+
+    __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
+                 "n_k", "key")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -80,9 +86,17 @@ class Job:
         self.enqueued = time.monotonic()
         self.future = future
         feed = request.feed
-        self.rows, self.n_q = feed["valid_lens"].shape
-        self.n_k = feed["keys"].shape[1] if "keys" in feed else self.n_q
-        features = tuple(a.shape[-1] for name, a in feed.items() if name != "valid_lens")
+        axes: dict[str, int] = {}
+        for spec in request.model.inputs():
+            for name, size in zip(spec.shape, feed[spec.name].shape, strict=True):
+                if name.__class__ is str:
+                    axes[name] = size
+        self.axes = axes
+        self.rows = axes["batch"]
+        self.n_q = axes.get("n_q") or axes["n"]
+        # The second length of a run's cost: keys, or for the positional encoding its features.
+        self.n_k = axes.get("n_k") or axes.get("d") or self.n_q
+        features = tuple(size for name, size in axes.items() if name != "batch" and name not in _SEQUENCE)
         self.key = (features, bucket(self.n_q), bucket(self.n_k))
 
 
@@ -91,26 +105,32 @@ def _heads(model: LoadedModel) -> int:
 
 
 def merge(model: LoadedModel, jobs: list[Job]) -> dict[str, np.ndarray]:
-    """One feed for every job: zero-padded to the largest n_q / n_k, stacked along batch."""
+    """One feed for every job: zero-padded to the largest size of every sequence axis, stacked along
+    batch. Padded keys are past every job's valid lengths (masked: weight exactly 0) and padded
+    query rows get length 0; both are sliced off the results."""
     if len(jobs) == 1:
         return jobs[0].request.feed
-    n_q, n_k = max(j.n_q for j in jobs), max(j.n_k for j in jobs)
-    rows = sum(j.rows for j in jobs)
-    sizes = {"n_q": n_q, "n_k": n_k, "n": n_q}
+    merged_axes = {name: max(j.axes[name] for j in jobs) for name in _SEQUENCE if name in jobs[0].axes}
+    merged_axes["batch"] = sum(j.rows for j in jobs)
     feed: dict[str, np.ndarray] = {}
     for spec in model.inputs():
         first = jobs[0].request.feed[spec.name]
-        if spec.name == "valid_lens":
-            merged = np.zeros((rows, n_q), dtype=np.int64)  # padded queries: length 0
-        else:
-            merged = np.zeros((rows, sizes[spec.shape[1]], first.shape[2]), dtype=np.float32)
+        shape = tuple(merged_axes.get(name, size) if name.__class__ is str else name
+                      for name, size in zip(spec.shape, first.shape, strict=True))
+        merged = np.zeros(shape, dtype=first.dtype)  # valid_lens: 0 for padded query rows
         r = 0
         for job in jobs:
             part = job.request.feed[spec.name]
-            merged[r:r + part.shape[0], :part.shape[1]] = part
+            merged[(slice(r, r + part.shape[0]), *(slice(0, n) for n in part.shape[1:]))] = part
             r += part.shape[0]
         feed[spec.name] = merged
     return feed
+
+
+def _slice(spec_shape: tuple, job: Job, row: int) -> tuple[slice, ...]:
+    """A job's part of a merged output: its rows, and its own size of every sequence axis."""
+    return tuple(slice(row, row + job.rows) if name == "batch" else slice(0, job.axes[name]) if name in _SEQUENCE
+                 else slice(None) for name in spec_shape)
 
 
 def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[list[Any], float]:
@@ -118,19 +138,18 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
     job's encoder. Returns the bodies and the seconds the session run took."""
     feed = merge(model, jobs)
     start = time.perf_counter()
-    outputs, weights = model.run(feed)
+    outputs = model.run(feed)
     seconds = time.perf_counter() - start
     metrics.model(model.name).inference.observe(seconds)
     if len(jobs) == 1:
         job = jobs[0]
-        return [job.encode(model, outputs, weights if job.request.return_weights else None)], seconds
-    results, r = [], 0
+        return [job.encode(model, outputs, job.request.return_weights)], seconds
+    results, row = [], 0
     for job in jobs:
-        out = np.ascontiguousarray(outputs[r:r + job.rows, :job.n_q])
-        w = np.ascontiguousarray(weights[r:r + job.rows, ..., :job.n_q, :job.n_k]) if job.request.return_weights \
-            else None
-        results.append(job.encode(model, out, w))
-        r += job.rows
+        mine = {spec.name: np.ascontiguousarray(outputs[spec.name][_slice(spec.shape, job, row)])
+                for spec in model.outputs if job.request.return_weights or spec.name != "attention_weights"}
+        results.append(job.encode(model, mine, job.request.return_weights))
+        row += job.rows
     return results, seconds
 
 

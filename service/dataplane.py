@@ -25,9 +25,14 @@ from service.runtime import LoadedModel, Registry
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
-def encode_attend(model: LoadedModel, outputs: np.ndarray, weights: np.ndarray | None) -> bytes:
-    """/attend's response body."""
-    return orjson.dumps({"model": model.name, "outputs": outputs, "attention_weights": weights}, option=_ORJSON)
+def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes:
+    """/attend's response body: the model, `outputs`, `attention_weights` (null when not asked for,
+    or for a model without), and any other output of the model (`P` of the positional encoding)."""
+    body: dict[str, Any] = {"model": model.name, "outputs": outputs["outputs"],
+                            "attention_weights": outputs.get("attention_weights") if return_weights else None}
+    if len(outputs) > 2 or "attention_weights" not in outputs:
+        body.update((name, value) for name, value in outputs.items() if name not in body)
+    return orjson.dumps(body, option=_ORJSON)
 
 
 class Dataplane:
@@ -90,6 +95,6 @@ class Dataplane:
         request = self.decode(body)
         model = request.model
         start = time.perf_counter()
-        outputs, weights = model.run(request.feed)
+        outputs = model.run(request.feed)
         self.metrics.model(model.name).inference.observe(time.perf_counter() - start)
-        return encode_attend(model, outputs, weights if request.return_weights else None)
+        return encode_attend(model, outputs, request.return_weights)

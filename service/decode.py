@@ -43,8 +43,14 @@ from service.errors import (
 from service.runtime import LoadedModel, Registry
 
 DEFAULT_MODEL = "dot_product"
-ARRAY_FIELDS = ("queries", "keys", "values")
+ARRAY_FIELDS = ("queries", "keys", "values", "scores")
 FIELDS = ("model", *ARRAY_FIELDS, "valid_lens", "return_weights")
+SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})
+_WHY_NOT = {
+    "self_attention": ": its keys and values are the queries",
+    "positional_encoding": ": it adds P to the queries",
+    "masked_softmax": ": it takes the scores",
+}
 _FIELD_SET = frozenset(FIELDS)
 _F32_MAX = float(np.finfo(np.float32).max)
 _MAX_DEPTH = 8
@@ -446,19 +452,23 @@ def _check_limits(limits: RequestLimits, model: LoadedModel, batch: int, n_q: in
         raise PayloadTooLarge(f"{what} is {got}, over this service's limit of {limit} ({setting})", field=field,
                               expected=f"<= {limit}", received=got)
 
+    first = model.inputs()[0].name  # queries, or scores
     if batch > limits.batch:
-        refuse("batch", batch, limits.batch, "ATTEND_MAX_BATCH")
+        refuse("batch", batch, limits.batch, "ATTEND_MAX_BATCH", first)
     if n_q > limits.sequence:
-        refuse("n_q", n_q, limits.sequence, "ATTEND_MAX_SEQUENCE")
+        refuse("n_q", n_q, limits.sequence, "ATTEND_MAX_SEQUENCE", first)
     if n_k > limits.sequence:
-        refuse("n_k", n_k, limits.sequence, "ATTEND_MAX_SEQUENCE", "keys")
-    for name, arr in feed.items():
-        if arr.shape[-1] > limits.features:
-            refuse(f"the feature size of {name}", arr.shape[-1], limits.features, "ATTEND_MAX_FEATURES", name)
+        refuse("n_k", n_k, limits.sequence, "ATTEND_MAX_SEQUENCE", "keys" if "keys" in feed else first)
+    for spec in model.inputs():
+        if spec.name in feed and spec.shape[-1] not in SEQUENCE_AXES and feed[spec.name].shape[-1] > limits.features:
+            size = feed[spec.name].shape[-1]
+            refuse(f"the feature size of {spec.name}", size, limits.features, "ATTEND_MAX_FEATURES", spec.name)
+    if "attention_weights" not in model.output_names:
+        return
     elements = batch * int(model.config.hyperparameters.get("num_heads", 1)) * n_q * n_k
     if elements > limits.weight_elements:
         refuse("batch * heads * n_q * n_k (the attention weights)", elements, limits.weight_elements,
-               "ATTEND_MAX_WEIGHT_ELEMENTS")
+               "ATTEND_MAX_WEIGHT_ELEMENTS", first)
 
 
 def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens: np.ndarray | None,
@@ -483,8 +493,12 @@ def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens
         raise InvalidShape(f"queries is a sequence of {n_q} tokens, longer than the model's max_len {max_len}",
                            field="queries", expected=[batch, f"n <= {max_len}", _pattern(model, "queries")[-1]],
                            received=list(feed["queries"].shape))
+    if model.kind == "positional_encoding" and bound["d"] % 2:
+        raise InvalidShape(f"queries must have an even feature size d (sine and cosine in pairs), got {bound['d']}",
+                           field="queries", expected=[batch, "n", "d (even)"], received=list(feed["queries"].shape))
     _check_limits(limits, model, batch, n_q, n_k, feed)
-    feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
+    if "valid_lens" in model.input_names:
+        feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
     return Request(model=model, feed=feed, return_weights=return_weights)
 
 
@@ -520,9 +534,12 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
             raise InvalidRequest(f"{field} is required for model {model.name}", field=field,
                                  expected=_pattern(model, field))
         if field not in wanted and data.get(field) is not None:
-            raise InvalidRequest(f"model {model.name} ({model.kind}) takes no {field}: its keys and values are "
-                                 "the queries", field=field)
+            raise InvalidRequest(f"model {model.name} ({model.kind}) takes no {field}{_WHY_NOT.get(model.kind, '')}",
+                                 field=field, expected=sorted(wanted))
     lens = data.get("valid_lens")
+    if lens is not None and "valid_lens" not in wanted:
+        raise InvalidRequest(f"model {model.name} ({model.kind}) takes no valid_lens{_WHY_NOT.get(model.kind, '')}",
+                             field="valid_lens", expected=sorted(wanted))
     if body is not None and len(body) <= _SMALL_BODY:
         fields = [f for f in ARRAY_FIELDS if f in wanted] + (["valid_lens"] if lens is not None else [])
         small = _small_body_arrays(body, data, fields)
@@ -530,6 +547,8 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
             return build_request(model, small[0], small[1], return_weights, limits, finite_float32=True)
     arrays = _Arrays({})
     what = "an array of arrays of arrays of numbers (batch, n, features)"
+    if model.kind == "masked_softmax":
+        what = "an array of arrays of arrays of numbers (batch, n_q, n_k)"
     for field in ARRAY_FIELDS:
         if field in wanted:
             arrays.values[field] = _array(data[field], field, what, arrays)

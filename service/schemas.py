@@ -30,9 +30,11 @@ Array3D = list[list[list[float]]]
 
 class AttendRequest(BaseModel):
     model: str = Field("dot_product", description="a model of GET /models")
-    queries: Array3D = Field(description="(batch, n_q, query_size); for self_attention the input sequence")
+    queries: Array3D | None = Field(None, description="(batch, n_q, query_size); for self_attention and "
+                                    "positional_encoding the input sequence (batch, n, d); omitted for masked_softmax")
     keys: Array3D | None = Field(None, description="(batch, n_k, key_size); omitted for self_attention")
     values: Array3D | None = Field(None, description="(batch, n_k, value_size); omitted for self_attention")
+    scores: Array3D | None = Field(None, description="(batch, n_q, n_k): masked_softmax's input only")
     valid_lens: list[int] | list[list[int]] | None = Field(
         None, description="absent/null (all keys), (batch,) or (batch, n_q); each 0 <= length <= n_k. "
         "A length of 0 attends to nothing: zero weights and a zero output row.")
@@ -41,9 +43,11 @@ class AttendRequest(BaseModel):
 
 class AttendResponse(BaseModel):
     model: str
-    outputs: Array3D = Field(description="(batch, n_q, output_size)")
+    outputs: Array3D = Field(description="(batch, n_q, output_size); for masked_softmax the weights")
     attention_weights: list[Any] | None = Field(
-        description="(batch, n_q, n_k), or (batch, num_heads, n_q, n_k) for multi_head and self_attention")
+        description="(batch, n_q, n_k), or (batch, num_heads, n_q, n_k) for multi_head and self_attention; "
+        "null for positional_encoding")
+    P: list[list[float]] | None = Field(None, description="positional_encoding only: P[:n], (n, d)")
 
 
 class ErrorDetail(BaseModel):

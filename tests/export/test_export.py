@@ -43,7 +43,8 @@ def test_default_repository_has_the_books_configurations(repository):
     assert hp["multi_head"] == {"key_size": 100, "query_size": 100, "value_size": 100, "num_hiddens": 100,
                                 "num_heads": 5, "bias": False}
     assert hp["self_attention"] == {"num_hiddens": 100, "num_heads": 5, "max_len": 1000, "bias": False}
-    assert hp["dot_product"] == {}
+    assert hp["dot_product"] == {} and hp["masked_softmax"] == {}
+    assert hp["positional_encoding"] == {"max_len": 1000}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -59,7 +60,9 @@ def test_config_describes_the_file(repository, kind):
     # The session's own signature is the one config.json declares.
     assert [(i.name, i.shape) for i in session.get_inputs()] == [(s["name"], s["shape"]) for s in config.inputs]
     assert [(o.name, o.shape) for o in session.get_outputs()] == [(s["name"], s["shape"]) for s in config.outputs]
-    assert [i.type for i in session.get_inputs()][-1] == "tensor(int64)"
+    # valid_lens, where the kind has lengths, comes last, as int64
+    assert [i.type for i in session.get_inputs()][-1] == ("tensor(float)" if kind == "positional_encoding"
+                                                          else "tensor(int64)")
 
 
 def test_dynamic_axes_include_every_unfixed_feature_size(repository):
@@ -71,6 +74,9 @@ def test_dynamic_axes_include_every_unfixed_feature_size(repository):
     assert axes["additive"]["values"] == {"0": "batch", "1": "n_k", "2": "value_size"}
     assert axes["multi_head"]["attention_weights"] == {"0": "batch", "2": "n_q", "3": "n_k"}
     assert axes["self_attention"]["queries"] == {"0": "batch", "1": "n"}
+    assert axes["masked_softmax"]["scores"] == {"0": "batch", "1": "n_q", "2": "n_k"}
+    assert axes["positional_encoding"]["queries"] == {"0": "batch", "1": "n", "2": "d"}
+    assert axes["positional_encoding"]["P"] == {"0": "n", "1": "d"}
 
 
 # --- ONNX Runtime against PyTorch, on shapes the export never saw ----------------------------
@@ -81,10 +87,12 @@ def _extra_cases(kind, count=12):
     cases = []
     for i in range(count):
         batch, n_q, n_k = (int(x) for x in rng.integers(1, 12, size=3))
-        if kind == "self_attention":
+        lens, d = ("none", "1d", "2d")[i % 3], int(rng.integers(1, 70))
+        if kind in ("self_attention", "positional_encoding"):
             n_k = n_q
-        cases.append(Case(batch, n_q, n_k, ("none", "1d", "2d")[i % 3], d=int(rng.integers(1, 70)),
-                          value_size=int(rng.integers(1, 70))))
+        if kind == "positional_encoding":  # no lengths; an even d
+            lens, d = "none", d + d % 2
+        cases.append(Case(batch, n_q, n_k, lens, d=d, value_size=int(rng.integers(1, 70))))
     return cases
 
 
@@ -150,7 +158,7 @@ class _RepeatInterleave(torch.nn.Module):
 
 
 @pytest.mark.parametrize("module, message", [
-    (_FrozenScale(), "on case batch=3 n_q=5 n_k=7 d=3"),  # the first case whose d is not 7
+    (_FrozenScale(), "on case batch=2 n_q=3 n_k=5 d=7"),  # the first case where the scale matters (d is not 8)
     (_RepeatInterleave(), "on case"),
 ])
 def test_validator_catches_the_known_export_traps(tmp_path, module, message):
@@ -237,6 +245,10 @@ def _book_module(kind):
     shapes cannot tell."""
     if kind == "dot_product":
         return book.DotProductAttention(0.0), []
+    if kind == "masked_softmax":
+        return models.MaskedSoftmax(), []
+    if kind == "positional_encoding":
+        return book.PositionalEncoding(32, 0.0, max_len=50), ["--max-len", "50"]
     if kind == "additive":
         return book.AdditiveAttention(key_size=4, query_size=9, num_hiddens=6, dropout=0.0), []
     if kind == "multi_head":
@@ -259,6 +271,8 @@ def test_checkpoints_of_any_size_export_without_size_flags(tmp_path, kind):
         "multi_head": {"key_size": 3, "query_size": 7, "value_size": 11, "num_hiddens": 10, "num_heads": 2,
                        "bias": False},
         "self_attention": {"num_hiddens": 12, "num_heads": 4, "max_len": 50, "bias": True},
+        "masked_softmax": {},
+        "positional_encoding": {"max_len": 50},
     }[kind]
     assert config.hyperparameters == expected
     # The exported graph computes what the book's module does, on sizes of the checkpoint's own.
@@ -272,7 +286,15 @@ def test_checkpoints_of_any_size_export_without_size_flags(tmp_path, kind):
     lens = np.array([2, 4])
     session = _session(repo / "mine" / config.model_file)
     with torch.no_grad():
-        if kind == "self_attention":
+        if kind == "masked_softmax":
+            S = rng.standard_normal((2, 3, 4), dtype=np.float32)
+            want = module(torch.from_numpy(S), torch.from_numpy(lens))[0].numpy()
+            got, _ = session.run(None, {"scores": S, "valid_lens": np.repeat(lens[:, None], 3, axis=1)})
+        elif kind == "positional_encoding":  # the book's class, at its own d of 32
+            X = rng.standard_normal((2, 3, 32), dtype=np.float32)
+            want = module(torch.from_numpy(X)).numpy()
+            got, _ = session.run(None, {"queries": X})
+        elif kind == "self_attention":
             X = torch.from_numpy(Q) + models.sinusoidal_table(50, 12)[:3]
             want = module(X, X, X, torch.from_numpy(lens)).numpy()
             got, _ = session.run(None, {"queries": Q, "valid_lens": np.repeat(lens[:, None], 3, axis=1)})

@@ -219,3 +219,12 @@ def test_oracle_is_not_trivially_satisfied():
     out, _ = DotProductAttention()(Q * 2, K, V)
     ref_out, _ = oracle.dot_product(Q.double().numpy(), K.double().numpy(), V.double().numpy(), None)
     assert not np.allclose(out.numpy(), ref_out, atol=1e-3)
+
+
+def test_masked_softmax_module_returns_the_weights_twice():
+    from models import MaskedSoftmax
+
+    scores, lens = torch.rand(2, 2, 4), torch.tensor([[1, 3], [2, 4]])
+    outputs, weights = MaskedSoftmax()(scores, lens)
+    assert_close(weights, masked_softmax(scores, lens))
+    assert outputs is weights

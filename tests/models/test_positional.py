@@ -67,3 +67,23 @@ def test_self_attention_loads_the_books_multi_head_state_dict():
     lens = torch.tensor([3, 2])
     assert_close(sa(X, lens)[0], theirs(XP, XP, XP, lens))
     assert np.array_equal(sorted(sa.state_dict()), sorted(theirs.state_dict()))
+
+
+@pytest.mark.parametrize("n, d", [(60, 32), (1000, 100), (3, 2), (17, 512)])
+def test_sinusoidal_encoding_computes_the_table_for_any_even_size(n, d):
+    from models import SinusoidalEncoding
+
+    X = torch.randn(2, n, d)
+    out, P = SinusoidalEncoding()(X)
+    assert_close(P, sinusoidal_table(n, d), rtol=0, atol=0)  # the same arithmetic, to the bit
+    assert_close(out, X + P)
+    # float64 inside: within float32's rounding of the exact formula, even at position 999
+    assert np.abs(P.numpy() - oracle.positional_encoding(n, d)).max() < 1e-7
+
+
+def test_sinusoidal_encoding_agrees_with_the_books_class():
+    from models import SinusoidalEncoding
+
+    X = torch.randn(2, 60, 32)
+    # The book rounds its angles to float32 (up to 60 x 6e-8 off at position 60); ours are exact.
+    assert_close(SinusoidalEncoding()(X)[0], book.PositionalEncoding(32, 0).eval()(X), atol=5e-6, rtol=0)

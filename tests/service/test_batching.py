@@ -51,6 +51,10 @@ def make_body(kind, rng, batch, n_q, n_k, form, d=None):
     if kind == "self_attention":
         body = {"model": kind, "queries": arr(batch, n_q, 100)}
         n_k = n_q
+    elif kind == "positional_encoding":  # no lengths; even feature sizes, grouped by size
+        return json.dumps({"model": kind, "queries": arr(batch, n_q, d or 6)}).encode()
+    elif kind == "masked_softmax":
+        body = {"model": kind, "scores": arr(batch, n_q, n_k)}
     elif kind == "multi_head":
         body = {"model": kind, "queries": arr(batch, n_q, 100), "keys": arr(batch, n_k, 100),
                 "values": arr(batch, n_k, 100)}
@@ -76,8 +80,11 @@ def mixed_bodies(kind, count, seed=0):
 
 def assert_same(batched: bytes, single: bytes):
     got, want = orjson.loads(batched), orjson.loads(single)
-    assert got["model"] == want["model"]
-    for key in ("outputs", "attention_weights"):
+    assert got["model"] == want["model"] and set(got) == set(want)
+    for key in ("outputs", "attention_weights", "P"):
+        if key not in want or want[key] is None:
+            assert got.get(key) is None
+            continue
         a, b = np.array(got[key]), np.array(want[key])
         assert a.shape == b.shape, key
         np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE)
@@ -87,13 +94,15 @@ def assert_same(batched: bytes, single: bytes):
 
 # --- merge and slice: exact ------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["dot_product", "additive", "multi_head", "self_attention"])
+@pytest.mark.parametrize("kind", ["dot_product", "additive", "multi_head", "self_attention", "masked_softmax",
+                                  "positional_encoding"])
 def test_one_merged_run_equals_separate_runs(dataplane, kind):
     bodies = mixed_bodies(kind, 12, seed=len(kind))
     requests = [dataplane.decode(b) for b in bodies]
     jobs = [Job(r, deadline=float("inf"), encode=encode_attend) for r in requests]
     feed = merge(requests[0].model, jobs)
-    assert feed["valid_lens"].shape[0] == sum(j.rows for j in jobs)  # really one run for all
+    first = requests[0].model.inputs()[0].name  # queries, or scores
+    assert feed[first].shape[0] == sum(j.rows for j in jobs)  # really one run for all
     batched, _ = run_batch(requests[0].model, jobs, Metrics())
     for body, result in zip(bodies, batched, strict=True):
         assert_same(result, dataplane.attend(body))
@@ -105,7 +114,8 @@ def test_merged_weights_are_exactly_zero_on_padding(dataplane):
     long = dataplane.decode(make_body("dot_product", rng, 1, 7, 8, "absent"))
     jobs = [Job(short, float("inf")), Job(long, float("inf"))]
     feed = merge(short.model, jobs)
-    outputs, weights = short.model.run(feed)
+    result = short.model.run(feed)
+    outputs, weights = result["outputs"], result["attention_weights"]
     assert weights.shape == (2, 7, 8)
     assert np.all(weights[0, :, 3:] == 0)  # the short request's padded keys
     assert np.all(weights[0, 2:] == 0) and np.all(outputs[0, 2:] == 0)  # its padded queries
@@ -227,8 +237,8 @@ async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
 
 def test_concurrent_requests_are_merged_and_each_gets_its_own_answer(settings, dataplane):
     wait = settings.model_copy(update={"max_batch_wait_us": 20_000, "inference_threads": 1})
-    bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention")
-              for b in mixed_bodies(kind, 10, seed=7)]
+    bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax",
+                             "positional_encoding") for b in mixed_bodies(kind, 10, seed=7)]
     with TestClient(create_app(wait)) as client:
         def send(body):
             return client.post("/attend", content=body, headers={"content-type": "application/json"})

@@ -15,7 +15,8 @@ from service.schemas import toy_request
 def test_models_lists_every_model_with_its_provider(client):
     body = client.get("/models").json()
     names = [m["name"] for m in body["models"]]
-    assert names == ["additive", "dot_product", "multi_head", "self_attention"]
+    assert names == ["additive", "dot_product", "masked_softmax", "multi_head", "positional_encoding",
+                     "self_attention"]
     assert {m["provider"] for m in body["models"]} == {"CPUExecutionProvider"}
 
 
@@ -73,7 +74,8 @@ def test_openapi_documents_the_toy_example(client):
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/attend"]["post"]["requestBody"]["content"]["application/json"]
     assert body["example"]["model"] == "additive" and body["example"]["valid_lens"] == [2, 6]
-    assert set(body["schema"]["properties"]) == {"model", "queries", "keys", "values", "valid_lens", "return_weights"}
+    assert set(body["schema"]["properties"]) == {"model", "queries", "keys", "values", "scores", "valid_lens",
+                                                 "return_weights"}
     assert client.get("/docs").status_code == 200
 
 

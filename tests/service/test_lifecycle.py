@@ -95,7 +95,7 @@ def test_skip_broken_models_serves_the_rest_and_says_why(repo_copy, settings):
 
 
 def test_nothing_servable_is_an_error_even_when_skipping(repo_copy):
-    for name in ("additive", "dot_product", "multi_head", "self_attention"):
+    for name in ("additive", "dot_product", "masked_softmax", "multi_head", "positional_encoding", "self_attention"):
         (repo_copy / name / "1" / "model.onnx").write_bytes(b"x")
     with pytest.raises(StartupError, match="no model of .* can be served"):
         Registry.load(repo_copy, "cpu", 1, skip_broken=True)

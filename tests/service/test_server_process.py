@@ -23,7 +23,7 @@ def test_real_process_serves_the_toy_example(repository):
             np.testing.assert_allclose(response.json()["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
             bad = http.post("/attend", json=toy_request() | {"valid_lens": [2, 11]})
             assert bad.status_code == 422 and bad.json()["error"]["field"] == "valid_lens"
-            assert [m["provider"] for m in http.get("/models").json()["models"]] == ["CPUExecutionProvider"] * 4
+            assert [m["provider"] for m in http.get("/models").json()["models"]] == ["CPUExecutionProvider"] * 6
             assert "attend_requests_total" in http.get("/metrics").text
         proc.send_signal(signal.SIGTERM)
         # uvicorn re-raises SIGTERM after a graceful shutdown: -15 here, 143 in a shell
