@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -23,6 +24,7 @@ from service.metrics import Metrics
 from service.runtime import LoadedModel, Registry
 
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY
+T = TypeVar("T")
 
 
 def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes:
@@ -58,18 +60,18 @@ class Dataplane:
         set to the model's name once it is known (for the metrics' label)."""
         return decode_body(body, self.registry, self.limits)
 
-    async def decode_async(self, body: bytes, deadline: float) -> Request:
-        """`decode`, on the event loop for small bodies (a thread hop costs more than their parse),
-        in a decode thread for large ones; never started once the deadline has passed, and a 504 at
-        the deadline even while it waits for the thread."""
+    async def decode_async(self, decode: Callable[[bytes], T], body: bytes, deadline: float) -> T:
+        """`decode(body)` (a protocol's decoder), on the event loop for small bodies (a thread hop
+        costs more than their parse), in a decode thread for large ones; never started once the
+        deadline has passed, and a 504 at the deadline even while it waits for the thread."""
         if len(body) <= self.inline_decode_bytes:
-            return self.decode(body)
+            return decode(body)
         loop = asyncio.get_running_loop()
 
-        def decode_unless_late() -> Request:
+        def decode_unless_late() -> T:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
-            return self.decode(body)
+            return decode(body)
 
         future = loop.run_in_executor(self._decoder, decode_unless_late)
         timeout = deadline - time.monotonic()

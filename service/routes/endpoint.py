@@ -1,0 +1,190 @@
+"""What every protocol's inference route does, once, below its codec: the request ID and access log
+line, readiness, the API key, the deadline, the body (bounded), the in-flight count, the metrics,
+and turning errors into responses. A protocol (service/routes/attend.py for /attend, v2.py for the
+Open Inference Protocol) subclasses `InferenceEndpoint` with its decode, its encoder and its error body.
+
+These are plain ASGI apps rather than FastAPI routes because FastAPI's request handling costs ~45 us a
+request (measured: `python bench/asgi_overhead.py`), twice the book's toy request's whole session
+run; `service.app` calls them before FastAPI's stack (or through a route, when CORS needs the
+middleware).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+from service.auth import check_api_key
+from service.batching import Encoder
+from service.decode import Request
+from service.errors import ClientGone, InvalidRequest, NotReady, PayloadTooLarge, ServiceError
+from service.middleware import log_access, new_request_id, request_id
+
+log = logging.getLogger("service")
+JSON = b"application/json"
+Headers = list[tuple[bytes, bytes]]
+
+
+async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be larger than `limit`."""
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the body has {int(length)} bytes; the limit is {limit}", expected=limit,
+                              received=int(length))
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientGone("the client disconnected before sending its body")
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+        return body
+    chunks, size = [body], len(body)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client disconnected before sending its whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def media_type(headers: dict[bytes, bytes]) -> str | None:
+    raw = headers.get(b"content-type")
+    return None if raw is None else raw.decode("latin-1").split(";")[0].strip().lower()
+
+
+def deadline(headers: dict[bytes, bytes], default_s: float) -> float:
+    timeout = default_s
+    header = headers.get(b"x-request-timeout-ms")
+    if header is not None:
+        try:
+            timeout = min(timeout, float(header) / 1000)
+        except ValueError:
+            raise InvalidRequest("X-Request-Timeout-Ms must be a number of milliseconds", field="X-Request-Timeout-Ms",
+                                 received=header.decode("latin-1")[:100]) from None
+    return time.monotonic() + timeout
+
+
+async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def disconnect_probe(receive: Receive) -> Any:
+    """Whether the client has gone, without waiting: a receive cancelled at once (Starlette's way)."""
+    async def is_disconnected() -> bool:
+        message: dict[str, Any] = {}
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            message = await receive()
+        return message.get("type") == "http.disconnect"
+
+    return is_disconnected
+
+
+class InferenceEndpoint:
+    """An inference route. What it reads on every request is bound here, not looked up on the app's
+    state (a Starlette State attribute costs a Python-level __getattr__ each)."""
+
+    method_path = "POST /"  # for the access log
+
+    def __init__(self, state: Any):
+        self.state = state  # readiness (`serving`) lives there: the lifespan and the server change it
+        self.settings = state.settings
+        self.metrics = state.metrics
+        self.api_keys: tuple[bytes, ...] = state.api_keys
+        self.dataplane: Any = None  # bound by the lifespan, once the models are loaded
+
+    # The codec: what a protocol defines.
+
+    def check_media_type(self, headers: dict[bytes, bytes]) -> None:
+        """Raise UnsupportedMediaType for a body this protocol does not read."""
+
+    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes,
+                     until: float) -> tuple[Request, Encoder]:
+        raise NotImplementedError
+
+    def response(self, content: Any) -> tuple[bytes, Headers, bytes]:
+        """The encoder's result as (body, extra headers, content type)."""
+        return content, [], JSON
+
+    def error_body(self, error: ServiceError) -> bytes:
+        raise NotImplementedError
+
+    def model_of(self, scope: Scope) -> str:
+        """The model's name for the metrics' label before the body is decoded ("-": not known yet)."""
+        return "-"
+
+    # The rest: the same for every protocol.
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Served with its request ID and access log line (service.middleware's, inline here: this
+        is the path of every request, and RequestContext's wrapper of `send` costs a layer)."""
+        start = time.perf_counter()
+        headers = dict(scope["headers"])
+        rid, rid_header = new_request_id(headers.get(b"x-request-id"))
+        token = request_id.set(rid)
+        extra = [(b"x-request-id", rid_header)]
+        status = 500
+        try:
+            status = await self._serve(scope, headers, receive, send, extra, start)
+        finally:
+            log_access("POST", scope["path"], status, time.perf_counter() - start)
+            request_id.reset(token)
+
+    async def send_error(self, send: Send, error: ServiceError, headers: Headers) -> int:
+        extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+        await send_body(send, error.status, self.error_body(error), [*headers, *extra])
+        return error.status
+
+    async def _serve(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send,
+                     extra: Headers, start: float) -> int:
+        """The response's status, once sent (0: the client went away, nothing was sent)."""
+        metrics = self.metrics
+        dataplane = self.dataplane
+        # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
+        # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
+        if dataplane is None or not self.state.serving:
+            metrics.model("-").status(503).inc()
+            return await self.send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}),
+                                         extra)
+        model = self.model_of(scope)
+        dataplane.in_flight += 1
+        try:
+            if self.api_keys:
+                check_api_key(headers.get(b"authorization"), self.api_keys)
+            self.check_media_type(headers)
+            settings = self.settings
+            until = deadline(headers, settings.request_timeout_s)
+            body = await read_body(receive, headers, settings.max_body_bytes)
+            request, encode = await self.decode(scope, headers, body, until)
+            model = request.model.name
+            content = await dataplane.infer(request, until, encode, disconnect_probe(receive))
+        except ServiceError as e:
+            metrics.model(e.model or model).status(e.status).inc()
+            if isinstance(e, ClientGone):
+                return 0  # nobody to answer
+            return await self.send_error(send, e, extra)
+        except Exception:
+            log.exception("unhandled error on POST %s", scope["path"][:200])
+            metrics.model(model).status(500).inc()
+            return await self.send_error(send, ServiceError("internal server error"), extra)
+        finally:
+            dataplane.in_flight -= 1
+        children = metrics.model(model)
+        children.status(200).inc()
+        children.latency.observe(time.perf_counter() - start)
+        body, more, content_type = self.response(content)
+        await send_body(send, 200, body, [*extra, *more] if more else extra, content_type)
+        return 200
