@@ -24,7 +24,7 @@ from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContext, configure_logging, flush_logs
-from service.routes import attend, health, models
+from service.routes import attend, health, models, v2
 from service.runtime import Registry
 
 log = logging.getLogger("service")
@@ -36,18 +36,22 @@ _ASSETS_URL = "/docs-assets"
 
 
 class AttendApp(FastAPI):
-    """FastAPI, with POST /attend handed to its endpoint before FastAPI's own request handling
-    (routing, exception middleware, telemetry hooks): ~45 us a request that the book's toy request
-    (~20 us of attention) would otherwise pay. Everything else goes through FastAPI as usual."""
+    """FastAPI, with the inference routes (POST /attend, POST /v2/models/.../infer) handed to their
+    endpoints before FastAPI's own request handling (routing, exception middleware, telemetry
+    hooks): ~45 us a request that the book's toy request (~20 us of attention) would otherwise pay.
+    Everything else goes through FastAPI as usual."""
 
-    fast_path: ASGIApp | None = None
+    fast_attend: ASGIApp | None = None
+    fast_infer: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.fast_path is not None and scope["type"] == "http" and scope["path"] == "/attend" \
-                and scope["method"] == "POST":
-            await self.fast_path(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
+        if self.fast_attend is not None and scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if path == "/attend":
+                return await self.fast_attend(scope, receive, send)
+            if v2.is_infer(path):
+                return await self.fast_infer(scope, receive, send)  # type: ignore[misc]
+        await super().__call__(scope, receive, send)
 
 
 def load_registry(settings: Settings) -> Registry:
@@ -69,7 +73,7 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         app.state.dataplane = Dataplane(registry, app.state.metrics, settings.request_limits(), scheduler,
                                         settings.resolved_inference_threads(), settings.inline_decode_bytes)
         app.state.metrics.in_flight.set_function(lambda: app.state.dataplane.in_flight)
-        app.state.attend.dataplane = app.state.dataplane
+        app.state.attend.dataplane = app.state.infer.dataplane = app.state.dataplane
         app.state.serving = True  # stays on while draining: what reaches a handler then was sent before
         app.state.ready = True
         app.state.metrics.ready.set(1)
@@ -80,7 +84,7 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
             app.state.ready = app.state.serving = False
             app.state.metrics.ready.set(0)
             await scheduler.stop()
-            app.state.attend.dataplane = None
+            app.state.attend.dataplane = app.state.infer.dataplane = None
             app.state.dataplane.close()
             flush_logs()
 
@@ -132,22 +136,27 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     install_error_handlers(app)
     _offline_docs(app)
     endpoint = app.state.attend = attend.AttendEndpoint(app.state)
-    # POST /attend: the endpoint itself (its own request ID and access log), ahead of the route that
-    # documents it; RequestContext skips it.
+    infer = app.state.infer = v2.InferEndpoint(app.state)
+    # The inference routes: the endpoints themselves (their own request ID and access log), ahead of
+    # the route that documents /attend; RequestContext skips them.
     app.router.routes.append(Route("/attend", endpoint, methods=["POST"], include_in_schema=False))
+    for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):
+        app.router.routes.append(Route(path, infer, methods=["POST"], include_in_schema=False))
     app.include_router(attend.router)
     # Without keys there is nothing to check: no dependency at all on the request path.
     protected = [Depends(require_api_key)] if app.state.api_keys else []
     app.include_router(models.router, dependencies=protected)
     app.include_router(health.metrics_router, dependencies=protected)
     app.include_router(health.router)
+    app.include_router(v2.router, dependencies=protected)
+    app.include_router(v2.health_router)
     if settings.cors_origin_list():
         # CORS headers come from the middleware: /attend goes through FastAPI's stack (and its route).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Request-Timeout-Ms"],
                            expose_headers=["X-Request-ID", "Retry-After"])
     else:
-        app.fast_path = endpoint
+        app.fast_attend, app.fast_infer = endpoint, infer
     app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
 

@@ -102,22 +102,28 @@ def _field_of(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or str(loc[-1] if loc else "")
 
 
+def _body(request: Request, error: ServiceError) -> dict[str, Any]:
+    """The one error body, but under /v2 the Open Inference Protocol's: {"error": "<message>"}."""
+    return {"error": error.message} if request.url.path.startswith("/v2") else error.body()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
-        return error_response(exc.status, exc.body(), exc.headers)
+        return error_response(exc.status, _body(request, exc), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         err = InvalidRequest(first["msg"], field=_field_of(tuple(first["loc"])))
-        return error_response(err.status, err.body())
+        return error_response(err.status, _body(request, err))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, {"error": {"code": code, "message": str(exc.detail)}},
-                              getattr(exc, "headers", None))
+        error = ServiceError(str(exc.detail))
+        error.status, error.code = exc.status_code, code
+        return error_response(exc.status_code, _body(request, error), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -143,8 +143,9 @@ class RequestContext:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["path"] == "/attend" and scope["method"] == "POST"):
-            await self.app(scope, receive, send)  # POST /attend does its own (service.routes.attend)
+        if scope["type"] != "http" or (scope["method"] == "POST" and (
+                scope["path"] == "/attend" or (scope["path"].startswith("/v2/") and scope["path"].endswith("/infer")))):
+            await self.app(scope, receive, send)  # the inference routes do their own (service.routes.endpoint)
             return
         rid, rid_bytes = new_request_id(next((v for k, v in scope["headers"] if k == b"x-request-id"), None))
         token = request_id.set(rid)

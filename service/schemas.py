@@ -78,3 +78,17 @@ _ERROR_TEXT = {
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for these error statuses, all with the one error body."""
     return {status: {"model": ErrorBody, "description": _ERROR_TEXT[status]} for status in statuses}
+
+
+class ProtocolError(BaseModel):
+    """The Open Inference Protocol's error body."""
+
+    error: str
+
+
+def protocol_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` of the /v2 routes: the protocol's error body."""
+    text = {400: "The model or version is not there (the ready route's 'false')", 401: _ERROR_TEXT[401],
+            404: "Unknown model, or a version that is not loaded", 422: "A path parameter is malformed",
+            503: "Not ready, or a model that could not be loaded"}
+    return {status: {"model": ProtocolError, "description": text[status]} for status in statuses}

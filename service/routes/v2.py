@@ -1,0 +1,440 @@
+"""The Open Inference Protocol (KServe v2, Triton's HTTP/REST protocol) with its binary tensor data
+extension: a codec, nothing else. Inference requests become the same `Request` as /attend's and go
+through the same dataplane (batching with /attend's requests, limits, deadlines, metrics, keys).
+
+    GET  /v2                                   server metadata (extensions: binary_tensor_data)
+    GET  /v2/health/live, /v2/health/ready
+    GET  /v2/models/{m}[/versions/{v}]         model metadata: inputs and outputs, -1 for dynamic axes
+    GET  /v2/models/{m}[/versions/{v}]/ready
+    GET  /v2/models/{m}[/versions/{v}]/config  Triton's model configuration (perf_analyzer reads it)
+    POST /v2/models/{m}[/versions/{v}]/infer   JSON tensors ("data" flat or nested), or a JSON header
+                                               (Inference-Header-Content-Length) and raw little-endian bytes
+
+Errors are the protocol's `{"error": "<message>"}` with the status. Every size a client states is
+checked against the body before a byte of it is read as a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+from urllib.parse import unquote
+
+import numpy as np
+import orjson
+import simdjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.types import Scope
+
+from service.batching import Encoder
+from service.decode import Request as Inference
+from service.decode import build_request, excerpt, json_type
+from service.errors import (
+    InvalidJSON,
+    ModelNotFound,
+    ModelUnavailable,
+    NotReady,
+    PayloadTooLarge,
+    ServiceError,
+    UnsupportedMediaType,
+)
+from service.routes.endpoint import JSON, Headers, InferenceEndpoint, media_type
+from service.runtime import LoadedModel, Registry
+from service.schemas import protocol_errors
+
+router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
+health_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])  # open: no API key
+OCTETS = b"application/octet-stream"
+EXTENSIONS = ["binary_tensor_data"]
+_V2_TYPE = {"float32": "FP32", "int64": "INT64"}
+# What a client may send for each input dtype of the signature: converted to it, or refused.
+_ACCEPTED = {"float32": {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")},
+             "int64": {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4")}}
+_ORJSON = orjson.OPT_SERIALIZE_NUMPY
+
+
+class BadRequest(InvalidJSON):
+    """A request the protocol cannot read (400 in the protocol's words)."""
+
+
+def error_json(error: ServiceError) -> bytes:
+    return orjson.dumps({"error": error.message})
+
+
+# --------------------------------------------------------------------------------------- metadata
+
+
+def _model(registry: Registry, name: str, version: str | None = None) -> LoadedModel:
+    model = registry.get(name)
+    if model is None and name in registry.broken:
+        raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}")
+    if model is None:
+        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}")
+    if version is not None and version != str(model.config.version):
+        raise ModelNotFound(f"version {excerpt(version)} of model {name} is not loaded; version "
+                            f"{model.config.version} is")
+    return model
+
+
+def _dims(shape: tuple) -> list[int]:
+    return [d if isinstance(d, int) else -1 for d in shape]
+
+
+def _batched(model: LoadedModel) -> bool:
+    """Whether every input and output has the batch axis first (Triton's max_batch_size > 0)."""
+    return all(s.shape[0] == "batch" for s in (*model.inputs(), *model.outputs))
+
+
+def metadata(model: LoadedModel) -> dict[str, Any]:
+    def tensor(spec) -> dict[str, Any]:
+        return {"name": spec.name, "datatype": _V2_TYPE[spec.dtype], "shape": _dims(spec.shape)}
+
+    return {"name": model.name, "versions": [str(model.config.version)], "platform": "onnxruntime_onnx",
+            "inputs": [tensor(s) for s in model.inputs()], "outputs": [tensor(s) for s in model.outputs]}
+
+
+def config(model: LoadedModel, max_batch: int) -> dict[str, Any]:
+    """Triton's model configuration, as far as it describes this model: with max_batch_size > 0 the
+    dims leave the batch axis out (perf_analyzer adds it, `-b`)."""
+    batched = _batched(model)
+
+    def tensor(spec, optional: bool = False) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": spec.name, "data_type": f"TYPE_{_V2_TYPE[spec.dtype]}",
+                                 "dims": _dims(spec.shape[1:] if batched else spec.shape)}
+        if optional:
+            entry["optional"] = True
+        return entry
+
+    return {"name": model.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+            "version_policy": {"specific": {"versions": [model.config.version]}},
+            "max_batch_size": max_batch if batched else 0,
+            "input": [tensor(s, optional=s.name == "valid_lens") for s in model.inputs()],
+            "output": [tensor(s) for s in model.outputs],
+            "dynamic_batching": {}, "parameters": {"kind": {"string_value": model.kind}}}
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+@router.get("", summary="Server metadata", responses=protocol_errors(401))
+async def server_metadata(request: Request) -> Response:
+    return _json({"name": "attend", "version": request.app.version, "extensions": EXTENSIONS})
+
+
+@health_router.get("/health/live", summary="The process is up")
+async def live() -> Response:
+    return _json({"live": True})
+
+
+@health_router.get("/health/ready", summary="Every model is loaded and warmed up", responses=protocol_errors(503))
+async def ready(request: Request) -> Response:
+    if not request.app.state.ready:
+        raise NotReady("not ready", headers={"Retry-After": "1"})
+    return _json({"ready": True})
+
+
+@router.get("/models/{name}", summary="Model metadata", responses=protocol_errors(401, 404, 422, 503))
+@router.get("/models/{name}/versions/{version}", summary="Model metadata of one version",
+            responses=protocol_errors(401, 404, 422, 503))
+async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
+    return _json(metadata(_model(request.app.state.registry, name, version)))
+
+
+@router.get("/models/{name}/ready", summary="The model is ready (200) or not (400)",
+            responses=protocol_errors(400, 401, 422))
+@router.get("/models/{name}/versions/{version}/ready", summary="The version is ready (200) or not (400)",
+            responses=protocol_errors(400, 401, 422))
+async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
+    try:
+        _model(request.app.state.registry, name, version)
+    except ServiceError as e:
+        raise BadRequest(e.message) from None
+    if not request.app.state.ready:
+        raise BadRequest(f"model {name} is not ready: the service is not ready")
+    return _json({"name": name, "ready": True})
+
+
+@router.get("/models/{name}/config", summary="Triton's model configuration",
+            responses=protocol_errors(401, 404, 422, 503))
+@router.get("/models/{name}/versions/{version}/config", summary="Triton's model configuration of one version",
+            responses=protocol_errors(401, 404, 422, 503))
+async def model_config(request: Request, name: str, version: str | None = None) -> Response:
+    settings = request.app.state.settings
+    return _json(config(_model(request.app.state.registry, name, version), settings.max_batch))
+
+
+# -------------------------------------------------------------------------------------- inference
+
+
+def parse_path(path: str) -> tuple[str, str | None]:
+    """(model, version) of /v2/models/{m}[/versions/{v}]/infer."""
+    parts = path.split("/")  # "", "v2", "models", m, ["versions", v,] "infer"
+    if len(parts) == 5:
+        return unquote(parts[3]), None
+    if len(parts) == 7 and parts[4] == "versions":
+        return unquote(parts[3]), unquote(parts[5])
+    raise ModelNotFound(f"no such route: POST {excerpt(path)}")
+
+
+def _decompress(body: bytes, encoding: bytes | None, limit: int) -> bytes:
+    """The body as sent before `Content-Encoding` (gzip or deflate), never more than `limit` bytes."""
+    if encoding is None or encoding in (b"identity", b""):
+        return body
+    name = encoding.decode("latin-1").strip().lower()
+    if name not in ("gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {excerpt(name)} is not supported; send gzip, deflate or none")
+    inflater = zlib.decompressobj(wbits=31 if name == "gzip" else 15)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise BadRequest(f"the body is not valid {name} data: {e}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(f"the decompressed body is over the limit of {limit} bytes", expected=limit)
+    if not inflater.eof:
+        raise BadRequest(f"the {name} body is truncated")
+    return out
+
+
+def _int(value: Any, what: str) -> int:
+    if value.__class__ is not int or value < 0:
+        raise BadRequest(f"{what} must be a non-negative integer, got {json_type(value)}"
+                         + (f" {value}" if isinstance(value, int | float) and not isinstance(value, bool) else ""))
+    return value
+
+
+def _flag(parameters: Any, name: str, default: bool = False) -> bool:
+    value = parameters.get(name, default) if isinstance(parameters, dict) else default
+    if not isinstance(value, bool):
+        raise BadRequest(f"parameter {name} must be true or false, got {json_type(value)}")
+    return value
+
+
+class _Reader:
+    """The tensors of one inference request: the binary tail is handed out in the order of the
+    inputs that declare a binary_data_size, each size checked against what is left."""
+
+    def __init__(self, binary: memoryview):
+        self.binary = binary
+        self.offset = 0
+
+    def take(self, size: int, name: str) -> memoryview:
+        if size > len(self.binary) - self.offset:
+            raise BadRequest(f"input {name}: binary_data_size is {size} bytes, but only "
+                             f"{len(self.binary) - self.offset} bytes of binary data are left in the body")
+        chunk = self.binary[self.offset:self.offset + size]
+        self.offset += size
+        return chunk
+
+    def done(self) -> None:
+        if self.offset != len(self.binary):
+            raise BadRequest(f"the body has {len(self.binary) - self.offset} bytes of binary data that no input's "
+                             "binary_data_size accounts for")
+
+
+def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> tuple[str, np.ndarray]:
+    if not isinstance(entry, dict):
+        raise BadRequest(f"every item of inputs must be an object, got {json_type(entry)}")
+    name = entry.get("name")
+    if not isinstance(name, str):
+        raise BadRequest(f"an input's name must be a string, got {json_type(name)}")
+    specs = {s.name: s for s in model.inputs()}
+    if name not in specs:
+        raise BadRequest(f"model {model.name} has no input {excerpt(name)}; its inputs: {', '.join(specs)}")
+    if name in seen:
+        raise BadRequest(f"input {name} is given twice")
+    seen.add(name)
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or len(shape) > 8:
+        raise BadRequest(f"input {name}: shape must be a list of at most 8 sizes, got {json_type(shape)}")
+    shape = [_int(s, f"input {name}: every size of shape") for s in shape]
+    datatype = entry.get("datatype")
+    accepted = _ACCEPTED[specs[name].dtype]
+    if datatype not in accepted:
+        shown = excerpt(datatype) if isinstance(datatype, str) else json_type(datatype)
+        raise BadRequest(f"input {name}: datatype {shown} is not accepted; send {' or '.join(accepted)}")
+    dtype = accepted[datatype]
+    count = math.prod(shape)
+    parameters = entry.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise BadRequest(f"input {name}: parameters must be an object")
+    if "binary_data_size" in parameters:
+        size = _int(parameters["binary_data_size"], f"input {name}: binary_data_size")
+        if size != count * dtype.itemsize:
+            raise BadRequest(f"input {name}: binary_data_size is {size} bytes, but shape {shape} of {datatype} "
+                             f"takes {count * dtype.itemsize}")
+        chunk = reader.take(size, name)
+        array = np.frombuffer(chunk, dtype=dtype).reshape(shape)
+        if array.ctypes.data % dtype.itemsize:  # wherever the JSON header ended: ONNX Runtime wants it aligned
+            array = array.copy()
+        return name, array
+    if "data" not in entry:
+        raise BadRequest(f"input {name} has neither data nor a binary_data_size parameter")
+    return name, _json_data(entry["data"], name, shape, dtype, count)
+
+
+def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: int) -> np.ndarray:
+    """`data`, flat or nested in row-major order, as an array of `shape`."""
+    integer = dtype.kind == "i"
+    if isinstance(data, simdjson.Array):
+        try:
+            flat = np.frombuffer(data.as_buffer(of_type="i" if integer else "d"), dtype=np.int64 if integer
+                                 else np.float64)
+        except (TypeError, ValueError, RuntimeError):
+            kind = "integers" if integer else "numbers"
+            raise BadRequest(f"input {name}: data must hold only {kind} (nested or flat)") from None
+    elif isinstance(data, list):  # from the slower parser (integers beyond 64 bits)
+        flat = np.array(data, dtype=object).ravel()
+        if not all(type(x) is int or (type(x) is float and not integer) for x in flat):
+            raise BadRequest(f"input {name}: data must hold only {'integers' if integer else 'numbers'}")
+        flat = flat.astype(np.float64)
+    else:
+        raise BadRequest(f"input {name}: data must be an array, got {json_type(data)}")
+    if flat.size != count:
+        raise BadRequest(f"input {name}: data holds {flat.size} values, shape {shape} takes {count}")
+    return flat.reshape(shape)
+
+
+def _requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple[str, bool]]:
+    """(output name, as binary) for each output to return, in the order asked."""
+    names = [s.name for s in model.outputs]
+    if outputs is None:
+        return [(n, all_binary) for n in names]
+    if not isinstance(outputs, list):
+        raise BadRequest(f"outputs must be a list, got {json_type(outputs)}")
+    wanted: list[tuple[str, bool]] = []
+    for entry in outputs:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if name not in names:
+            shown = excerpt(name) if isinstance(name, str) else json_type(name)
+            raise BadRequest(f"model {model.name} has no output {shown}; its outputs: {', '.join(names)}")
+        if any(name == w for w, _ in wanted):
+            raise BadRequest(f"output {name} is asked for twice")
+        wanted.append((name, _flag(entry.get("parameters"), "binary_data", all_binary)))
+    return wanted
+
+
+def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None) -> Encoder:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> tuple[bytes, int | None]:
+        entries, blobs = [], []
+        for name, binary in wanted:
+            array = outputs[name]
+            entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+            if binary:
+                blob = np.ascontiguousarray(array, dtype="<f4")
+                entry["parameters"] = {"binary_data_size": blob.nbytes}
+                blobs.append(blob.data)
+            else:
+                entry["data"] = array.ravel()
+            entries.append(entry)
+        head: dict[str, Any] = {"model_name": model.name, "model_version": str(model.config.version)}
+        if request_id is not None:
+            head["id"] = request_id
+        head["outputs"] = entries
+        text = orjson.dumps(head, option=_ORJSON)
+        return (b"".join([text, *blobs]), len(text)) if blobs else (text, None)
+
+    return encode
+
+
+class InferEndpoint(InferenceEndpoint):
+    """POST /v2/models/{m}[/versions/{v}]/infer."""
+
+    def model_of(self, scope: Scope) -> str:
+        # A label only for models that exist: a client's made-up names must not grow the metrics.
+        try:
+            name, _ = parse_path(scope["path"])
+        except ServiceError:
+            return "-"
+        return name if self.dataplane is not None and self.dataplane.registry.get(name) is not None else "-"
+
+    def check_media_type(self, headers: dict[bytes, bytes]) -> None:
+        # tritonclient's sync client sends no Content-Type at all; its aio client application/octet-stream.
+        media = media_type(headers)
+        if media not in (None, "", "application/json", "application/octet-stream") and not media.endswith("+json"):
+            raise UnsupportedMediaType(f"Content-Type must be application/json or application/octet-stream, "
+                                       f"got {media[:100]}")
+
+    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes,
+                     until: float) -> tuple[Inference, Encoder]:
+        name, version = parse_path(scope["path"])
+        model = _model(self.dataplane.registry, name, version)
+
+        def decode(raw: bytes) -> tuple[Inference, Encoder]:
+            try:
+                return self._decode(model, headers, raw)
+            except ServiceError as e:
+                e.model = model.name
+                raise
+
+        return await self.dataplane.decode_async(decode, body, until)
+
+    def _decode(self, model: LoadedModel, headers: dict[bytes, bytes], body: bytes) -> tuple[Inference, Encoder]:
+        body = _decompress(body, headers.get(b"content-encoding"), self.settings.max_body_bytes)
+        header_length = headers.get(b"inference-header-content-length")
+        if header_length is None:
+            split = len(body)
+        else:
+            if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
+                raise BadRequest(f"Inference-Header-Content-Length must be between 1 and the body's {len(body)} "
+                                 f"bytes, got {excerpt(header_length.decode('latin-1'))}")
+            split = int(header_length)
+        try:
+            request = simdjson.Parser().parse(body[:split] if split < len(body) else body)
+        except (ValueError, RuntimeError, UnicodeDecodeError):
+            try:
+                request = orjson.loads(body[:split])
+            except orjson.JSONDecodeError as e:
+                raise BadRequest(f"the inference request is not valid JSON: {e.msg} (line {e.lineno} column "
+                                 f"{e.colno})") from None
+        if not isinstance(request, simdjson.Object | dict):
+            raise BadRequest(f"the inference request must be a JSON object, got {json_type(request)}")
+        request_id = request.get("id")
+        if request_id is not None and not isinstance(request_id, str):
+            raise BadRequest(f"id must be a string, got {json_type(request_id)}")
+        parameters = request.get("parameters")
+        if isinstance(parameters, simdjson.Object):
+            parameters = parameters.as_dict()
+        inputs = request.get("inputs")
+        if not isinstance(inputs, simdjson.Array | list):
+            raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
+        reader, seen, tensors = _Reader(memoryview(body)[split:]), set(), {}
+        for entry in inputs:
+            if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
+                entry = {k: v if k == "data" else v.as_list() if isinstance(v, simdjson.Array)
+                         else v.as_dict() if isinstance(v, simdjson.Object) else v for k, v in entry.items()}
+            name, array = _tensor(entry, model, reader, seen)
+            tensors[name] = array
+        reader.done()
+        missing = [s.name for s in model.inputs() if s.name not in tensors and s.name != "valid_lens"]
+        if missing:
+            raise BadRequest(f"model {model.name} needs input(s) {', '.join(missing)}")
+        outputs = request.get("outputs")
+        if isinstance(outputs, simdjson.Array):
+            outputs = outputs.as_list()
+        wanted = _requested(outputs, model, _flag(parameters, "binary_data_output"))
+        lens = tensors.pop("valid_lens", None)
+        try:
+            inference = build_request(model, tensors, lens, any(n == "attention_weights" for n, _ in wanted),
+                                      self.dataplane.limits)
+        except ServiceError as e:  # /attend's checks, said the protocol's way: which input
+            if e.field in model.input_names and not e.message.startswith("input "):
+                e.message = f"input {e.field}: {e.message}"
+            raise
+        return inference, _encoder(model, wanted, request_id)
+
+    def response(self, content: tuple[bytes, int | None]) -> tuple[bytes, Headers, bytes]:
+        body, header_length = content
+        if header_length is None:
+            return body, [], JSON
+        return body, [(b"inference-header-content-length", str(header_length).encode())], OCTETS
+
+    def error_body(self, error: ServiceError) -> bytes:
+        return error_json(error)
+
+
+def is_infer(path: str) -> bool:
+    return path.startswith("/v2/models/") and path.endswith("/infer")
+
