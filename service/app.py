@@ -24,7 +24,7 @@ from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContext, configure_logging, flush_logs
-from service.routes import attend, health, models
+from service.routes import attend, health, models, page
 from service.runtime import Registry
 
 log = logging.getLogger("service")
@@ -131,6 +131,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
     _offline_docs(app)
+    page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
     endpoint = app.state.attend = attend.AttendEndpoint(app.state)
     # POST /attend: the endpoint itself (its own request ID and access log), ahead of the route that
     # documents it; RequestContext skips it.
