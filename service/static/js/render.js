@@ -53,11 +53,12 @@ export function renderWeights(container, weights, validLens) {
   const withHeads = list[0]?.head !== null;
   container.append(element("h2", {}, "Attention weights"),
     colourBar(scale, { label: "weight", withMasked: validLens != null }), readout);
+  // A line of heatmaps per batch row when there are heads; otherwise one line for the whole batch.
   let rowBox = null;
   list.slice(0, MAX_FIGURES).forEach(({ batch, head, matrix }) => {
-    if (!rowBox || Number(rowBox.dataset.batch) !== batch) {
+    if (!rowBox || (withHeads && Number(rowBox.dataset.batch) !== batch)) {
       rowBox = element("div", { className: "batch-row" });
-      rowBox.dataset.batch = batch;
+      if (withHeads) rowBox.dataset.batch = batch;
       container.append(rowBox);
     }
     const masked = (q, k) => {
