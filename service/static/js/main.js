@@ -119,6 +119,7 @@ function chooseModel(name) {
   fields.replaceChildren(...tensorInputs(model).map((spec) => fieldBlock(spec, false)));
   if (takesLens(model)) fields.append(fieldBlock(model.inputs.find((s) => s.name === "valid_lens"), true));
   clearErrors();
+  $("#result").hidden = true; // the last answer was another model's
   fill(bookExample(model));
 }
 
