@@ -281,6 +281,7 @@ def test_the_positional_encoding_view_draws_p_and_its_columns(tab, service, serv
     assert_outputs_show(tab, expected["outputs"])
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=SCREENSHOTS / "positional_encoding.png", full_page=True)
+    page.locator("#pe").screenshot(path=SCREENSHOTS / "positional_encoding-P.png")  # the chapter's two figures
     # Other columns on request; a column past the last is named next to the box.
     page.fill("#pe-columns", f"0-1, {d - 1}")
     assert page.evaluate('() => [...document.querySelectorAll("#pe-curves polyline")].map((l) => l.dataset.column)') \
