@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))
 PIP_TOOLS := pip-tools==7.6.2
 LINT := $(PY) -m ruff check models export service tests bench scripts
 
-.PHONY: install check-lock lock export serve test lint bench load soak membound container-lint compose-smoke
+.PHONY: install check-lock lock export serve test lint browser bench load soak membound container-lint compose-smoke
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
 	@$(PYTHON) scripts/lock.py check
@@ -42,7 +42,13 @@ $(REPOSITORY):
 serve: install $(REPOSITORY)  ## install, export the default repository if absent, serve it on :8000
 	ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PY) -m service
 
-test: install  ## lint, then the whole suite, as CI runs it
+# The browser of tests/web: Debian's chromium (Playwright's own browser download is not reachable here).
+CHROMIUM ?= $(or $(ATTEND_CHROMIUM),/usr/bin/chromium)
+browser:  ## Debian's chromium for the page's browser tests, unless it is there or ATTEND_SKIP_BROWSER=1
+	@test -x $(CHROMIUM) || [ "$$ATTEND_SKIP_BROWSER" = 1 ] || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+test: install browser  ## lint, then the whole suite, as CI runs it (the page's tests in chromium included)
 	$(LINT)
 	$(PY) -m pytest
 

@@ -48,8 +48,9 @@ class GracefulServer(uvicorn.Server):
             self.app.state.dataplane.server_tasks = self.server_state.tasks
             self.app.state.scheduler.connections = self.server_state.connections
             loop = type(asyncio.get_running_loop())
-            log.info("serving on %s (API docs: %s/docs); uvicorn on %s.%s with %s", *[serving_url(self)] * 2,
-                     loop.__module__, loop.__qualname__, self.config.http_protocol_class.__name__)
+            log.info("serving on %s/ (the page; API docs: %s/docs); uvicorn on %s.%s with %s",
+                     *[serving_url(self)] * 2, loop.__module__, loop.__qualname__,
+                     self.config.http_protocol_class.__name__)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Readiness is off already. Keep accepting a moment first: connections whose handshake

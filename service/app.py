@@ -24,7 +24,7 @@ from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContext, configure_logging, flush_logs
-from service.routes import attend, health, models, v2
+from service.routes import attend, health, models, page, v2
 from service.runtime import Registry
 
 log = logging.getLogger("service")
@@ -135,6 +135,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
     _offline_docs(app)
+    page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
     endpoint = app.state.attend = attend.AttendEndpoint(app.state)
     infer = app.state.infer = v2.InferEndpoint(app.state)
     # The inference routes: the endpoints themselves (their own request ID and access log), ahead of
