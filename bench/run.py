@@ -105,11 +105,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wrk(port: int, body_file: Path, connections: int, seconds: float, pid: int | None = None) -> dict:
+def binary_request(body: dict) -> tuple[bytes, int]:
+    """An /attend body as an Open Inference Protocol binary request: (body, JSON header length)."""
+    entries, blobs = [], []
+    for name in ("queries", "keys", "values", "valid_lens"):
+        array = np.array(body[name], dtype=np.int64 if name == "valid_lens" else np.float32)
+        entries.append({"name": name, "datatype": "INT64" if name == "valid_lens" else "FP32",
+                        "shape": list(array.shape), "parameters": {"binary_data_size": array.nbytes}})
+        blobs.append(array.tobytes())
+    head = json.dumps({"inputs": entries, "parameters": {"binary_data_output": True}}).encode()
+    return head + b"".join(blobs), len(head)
+
+
+def wrk(port: int, body_file: Path, connections: int, seconds: float, pid: int | None = None,
+        path: str = "/attend", header_length: int | None = None) -> dict:
     cmd = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
-           "--timeout", "10s", "-s", str(ROOT / "bench" / "post.lua"), f"http://127.0.0.1:{port}/attend"]
+           "--timeout", "10s", "-s", str(ROOT / "bench" / "post.lua"), f"http://127.0.0.1:{port}{path}"]
     cpu_before = cpu_seconds(pid) if pid else 0.0
-    out = subprocess.run(cmd, env=os.environ | {"BODY": str(body_file)}, capture_output=True, text=True, check=True)
+    env = os.environ | {"BODY": str(body_file)} | ({"HEADER_LENGTH": str(header_length)} if header_length else {})
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
     result = json.loads(line)
     result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
@@ -153,6 +167,9 @@ def main() -> int:
     for name, (_, body) in work.items():
         bodies[name] = json.dumps(body).encode()
         (tmp / f"{name}.json").write_bytes(bodies[name])
+    if "W2" in work:  # the same request through the Open Inference Protocol's binary tensors
+        binary, header_length = binary_request(work["W2"][1])
+        (tmp / "W2.bin").write_bytes(binary)
     print(f"in-process limit ({args.duration:.0f} s per workload) ...", file=sys.stderr)
     limit = in_process(args.repository, bodies, args.duration)
 
@@ -173,6 +190,13 @@ def main() -> int:
                         if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
                             raise RuntimeError(f"{name} c={c} {kind}: errors {r}")
                         measured.setdefault((name, c, kind), []).append(r)
+                        if name == "W2" and kind == "on":
+                            infer = "/v2/models/dot_product/infer"
+                            wrk(port, tmp / "W2.bin", c, args.warmup, None, infer, header_length)
+                            r = wrk(port, tmp / "W2.bin", c, args.duration, proc.pid, infer, header_length)
+                            if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
+                                raise RuntimeError(f"W2 binary c={c}: errors {r}")
+                            measured.setdefault(("W2 binary", c, kind), []).append(r)
     rows = {key: {k: statistics.median(r[k] for r in runs) for k in ("rps", "p50_us", "p99_us", "cpu_us")}
             for key, runs in measured.items()}
     shutil.rmtree(tmp)
@@ -198,6 +222,16 @@ def main() -> int:
     legend += ["- plain: bench/plain_server.py, the ~40-line FastAPI server a user could write instead (orjson, "
                "NumPy, the same ONNX models, no checks, no batching)",
                "- service: `python -m service` at its defaults (access log on), batching on or off"]
+    if "W2" in work:
+        summary += ["", "W2 through the Open Inference Protocol with binary tensors "
+                    "(`POST /v2/models/dot_product/infer`, 786 KB in and out), against the same request as JSON "
+                    "through `/attend` (4 MB in, 1.8 MB out), the same service process:", "",
+                    "| concurrency | binary req/s | p50 ms | CPU us / request | JSON req/s | binary / JSON |",
+                    "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for c in concurrency:
+            b, j = rows[("W2 binary", c, "on")], rows[("W2", c, "on")]
+            summary.append(f"| {c} | {b['rps']:.0f} | {b['p50_us'] / 1e3:.2f} | {b['cpu_us']:.0f} | {j['rps']:.0f} | "
+                           f"{b['rps'] / j['rps']:.1f}x |")
     inproc = ["", "In-process limit (decode + session run + encode, one core, one ORT thread):", "",
               "| workload | req/s | p50 ms | p99 ms |", "| --- | ---: | ---: | ---: |"]
     inproc += [f"| {n} | {v['rps']:.0f} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} |" for n, v in limit.items()]

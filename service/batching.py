@@ -241,7 +241,12 @@ class Batcher:
         connections = self.scheduler.connections
         target = len(connections) if connections is not None else 1 << 30
         wait = group[0].enqueued + self.limits.max_wait_s - time.monotonic()
-        if wait <= 0 or self.size >= target or sum(j.rows for j in group) >= self.limits.max_rows:
+        rows = sum(j.rows for j in group)
+        head = group[0]
+        # A batch that could not take another request like its first does not wait for one (W2, 131K
+        # weight elements a request against a limit of 128K, would only lose the wait).
+        full = 2 * rows * self.heads * head.n_q * head.n_k > self.limits.max_elements
+        if wait <= 0 or self.size >= target or rows >= self.limits.max_rows or full:
             return
         loop = self.scheduler.loop
         self._gathering, self._gather_target = loop.create_future(), target
