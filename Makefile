@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))
 PIP_TOOLS := pip-tools==7.6.2
 LINT := $(PY) -m ruff check models export service tests bench scripts
 
-.PHONY: install check-lock lock export serve test lint browser bench load soak membound container-lint compose-smoke
+.PHONY: install check-lock lock export serve test lint browser bench perf-analyzer load soak membound container-lint compose-smoke
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
 	@$(PYTHON) scripts/lock.py check
@@ -58,6 +58,9 @@ lint: install
 bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit; writes docs/benchmarks.md
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
+
+perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (binary tensors, W2, a concurrency sweep)
+	bash bench/perf_analyzer.sh --concurrency "1 2 4 8 16" --seconds 5
 
 load: install  ## locust, headless, 1 minute, against a service already running on :8000
 	$(PY) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary

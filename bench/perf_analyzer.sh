@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# perf_analyzer, Triton's load tool, against the service's Open Inference Protocol: W2 (dot_product,
+# 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
+#
+#   bench/perf_analyzer.sh [--url http://HOST:PORT] [--concurrency "1 2 4 8 16"] [--seconds 3] [--out FILE]
+#
+# Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
+# as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
+# Python wrapper exits 0 even when the binary cannot start, so the binary is called directly).
+#
+# perf_analyzer 2.60 comes as a wheel for glibc 2.38 or newer; on Debian 12 (glibc 2.36) pip quietly
+# installs a 2 KB placeholder instead. So the real wheel is downloaded for its platform, and the binary
+# runs through Debian 13's own loader, libc and libstdc++, unpacked into a private folder
+# ($ATTEND_TOOLS/perf-analyzer-<version>; the system's libc is not touched).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VERSION=2.60.0
+TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}/perf-analyzer-$VERSION
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+URL=""
+CONCURRENCY="1 2 4 8 16"
+SECONDS_PER_POINT=3
+OUT=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        --url) URL=$2; shift 2 ;;
+        --concurrency) CONCURRENCY=$2; shift 2 ;;
+        --seconds) SECONDS_PER_POINT=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+
+# ------------------------------------------------------------------ the tool: wheel + Debian 13 runtime
+if [ ! -x "$TOOLS/perf_analyzer" ] || [ ! -e "$TOOLS/root/usr/lib64/ld-linux-x86-64.so.2" ]; then
+    echo "fetching perf_analyzer $VERSION and Debian 13's libc into $TOOLS" >&2
+    rm -rf "$TOOLS" && mkdir -p "$TOOLS"/{apt/lists,apt/cache,debs,root}
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_38_x86_64 \
+        --python-version 3.11 -d "$TOOLS" "perf-analyzer==$VERSION" 2>&1 | grep -v "is ignored" >&2 || true
+    "$PYTHON" -m zipfile -e "$TOOLS"/perf_analyzer-"$VERSION"-*.whl "$TOOLS/wheel"
+    install -m 755 "$TOOLS/wheel/perf_analyzer/bin/perf_analyzer" "$TOOLS/perf_analyzer"
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main" \
+        >"$TOOLS/apt/sources.list"
+    apt=(-o "Dir::Etc::SourceList=$TOOLS/apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
+         -o "Dir::State::Lists=$TOOLS/apt/lists" -o "Dir::Cache=$TOOLS/apt/cache" -o Debug::NoLocking=1)
+    apt-get "${apt[@]}" update -qq >&2
+    (cd "$TOOLS/debs" && apt-get "${apt[@]}" download libc6 libstdc++6 libgcc-s1 libssl3t64 zlib1g >&2 2>/dev/null)
+    for deb in "$TOOLS"/debs/*.deb; do dpkg-deb -x "$deb" "$TOOLS/root"; done
+fi
+LIBS=$TOOLS/root/usr/lib/x86_64-linux-gnu
+perf_analyzer() {
+    taskset -c 1 "$TOOLS/root/usr/lib64/ld-linux-x86-64.so.2" --library-path "$LIBS" "$TOOLS/perf_analyzer" "$@"
+}
+perf_analyzer --version >&2
+
+# ------------------------------------------------------------------ the data: W2, one batch element a row
+RUN=$(mktemp -d /tmp/attend-perf-analyzer.XXXXXX)
+SERVICE_PID=""
+cleanup() {
+    if [ -n "$SERVICE_PID" ]; then kill -TERM "$SERVICE_PID" 2>/dev/null || true; wait "$SERVICE_PID" 2>/dev/null || true; fi
+    rm -rf "$RUN"
+}
+trap cleanup EXIT
+"$PYTHON" - "$RUN/data.json" <<'EOF'
+import json, sys
+sys.path.insert(0, "bench")
+import numpy as np
+from run import workloads
+
+w2 = workloads()["W2"][1]
+rows = []
+for b in range(8):  # perf_analyzer stacks -b 8 of these: the batch axis is not in the config's dims
+    row = {name: {"content": np.array(w2[name][b], dtype=np.float32).ravel().tolist(), "shape": [128, 64]}
+           for name in ("queries", "keys", "values")}
+    row["valid_lens"] = {"content": [int(w2["valid_lens"][b])] * 128, "shape": [128]}
+    rows.append(row)
+json.dump({"data": rows}, open(sys.argv[1], "w"))
+EOF
+
+# ------------------------------------------------------------------ the service
+if [ -z "$URL" ]; then
+    PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    [ -d model_repository ] || "$PYTHON" -m export --repository model_repository >&2
+    ATTEND_PORT=$PORT ATTEND_MODEL_REPOSITORY=model_repository ATTEND_DEVICE=cpu ATTEND_INTRA_OP_THREADS=1 \
+        ATTEND_LOG_LEVEL=warning taskset -c 0 "$PYTHON" -m service 2>"$RUN/service.log" &
+    SERVICE_PID=$!
+    URL=http://127.0.0.1:$PORT
+    for _ in $(seq 1 100); do
+        curl -sf "$URL/v2/health/ready" >/dev/null && break
+        kill -0 "$SERVICE_PID" 2>/dev/null || { cat "$RUN/service.log" >&2; exit 1; }
+        sleep 0.2
+    done
+fi
+
+# ------------------------------------------------------------------ the sweep
+TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p99 ms |
+| ---: | ---: | ---: | ---: | ---: | ---: |"
+for c in $CONCURRENCY; do
+    status=0
+    perf_analyzer -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
+        --input-tensor-format binary --output-tensor-format binary \
+        --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
+        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 6 \
+        --stability-percentage 30 -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 || status=$?
+    if [ "$status" != 0 ]; then
+        cat "$RUN/c$c.log" >&2
+        echo "perf_analyzer exited with $status at concurrency $c" >&2
+        exit "$status"
+    fi
+    TABLE+=$'\n'$("$PYTHON" - "$RUN/c$c.csv" <<'EOF'
+import csv, sys
+row = next(csv.DictReader(open(sys.argv[1])))
+inferences = float(row["Inferences/Second"])
+ms = {k: float(row[f"{k} latency"]) / 1e3 for k in ("p50", "p90", "p99")}
+print(f"| {row['Concurrency']} | {inferences / 8:.0f} | {inferences:.0f} | {ms['p50']:.2f} | {ms['p90']:.2f} | "
+      f"{ms['p99']:.2f} |")
+EOF
+)
+done
+COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT"
+TEXT="perf_analyzer $VERSION (\`-i http -b 8\`, binary tensors in and out, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
+
+$TABLE"
+echo "$TEXT"
+if [ -n "$OUT" ]; then echo "$TEXT" >"$OUT"; fi

@@ -1,0 +1,23 @@
+"""Triton's perf_analyzer (2.60, the binary itself, through Debian 13's loader) drives the service's
+Open Inference Protocol: a short sweep, the binary's exit status checked, a table of real numbers."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.server import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
+                    reason="fetching Debian 13's libc needs apt-get and dpkg-deb")
+def test_perf_analyzer_runs_against_the_service(repository):
+    result = subprocess.run(["bash", "bench/perf_analyzer.sh", "--concurrency", "1 4", "--seconds", "2"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["1", "4"], result.stdout
+    assert all(int(r[1]) > 0 and int(r[2]) == pytest.approx(8 * int(r[1]), abs=8) for r in rows)
