@@ -2,7 +2,8 @@
 # perf_analyzer, Triton's load tool, against the service's Open Inference Protocol: W2 (dot_product,
 # 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
 #
-#   bench/perf_analyzer.sh [--url http://HOST:PORT] [--concurrency "1 2 4 8 16"] [--seconds 3] [--out FILE]
+#   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 3]
+#                          [--out FILE]
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
 # as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
@@ -19,12 +20,14 @@ VERSION=2.60.0
 TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}/perf-analyzer-$VERSION
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 URL=""
+REPOSITORY=model_repository
 CONCURRENCY="1 2 4 8 16"
 SECONDS_PER_POINT=3
 OUT=""
 while [ $# -gt 0 ]; do
     case $1 in
         --url) URL=$2; shift 2 ;;
+        --repository) REPOSITORY=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
         --seconds) SECONDS_PER_POINT=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
@@ -81,8 +84,8 @@ EOF
 # ------------------------------------------------------------------ the service
 if [ -z "$URL" ]; then
     PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-    [ -d model_repository ] || "$PYTHON" -m export --repository model_repository >&2
-    ATTEND_PORT=$PORT ATTEND_MODEL_REPOSITORY=model_repository ATTEND_DEVICE=cpu ATTEND_INTRA_OP_THREADS=1 \
+    [ -d "$REPOSITORY" ] || "$PYTHON" -m export --repository "$REPOSITORY" >&2
+    ATTEND_PORT=$PORT ATTEND_MODEL_REPOSITORY=$REPOSITORY ATTEND_DEVICE=cpu ATTEND_INTRA_OP_THREADS=1 \
         ATTEND_LOG_LEVEL=warning taskset -c 0 "$PYTHON" -m service 2>"$RUN/service.log" &
     SERVICE_PID=$!
     URL=http://127.0.0.1:$PORT
