@@ -1,5 +1,8 @@
 """Export one model into the repository: build, (load checkpoint), export, validate, publish.
 
+Each version folder holds its model.onnx and its own config.json; the model's config.json (the same
+as its newest version's) says which version is the newest.
+
 Nothing is half-written: the graph is exported and validated in a hidden folder inside the
 repository and renamed into place only when every check passed; config.json is replaced
 atomically last, so the service only ever sees a complete, validated version.
@@ -68,8 +71,9 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
             name=name, kind=kind, version=version, hp=hp, opset=opset, sha256=sha256_of(model_path),
             versions={"torch": torch.__version__, "onnx": onnx.__version__},
         )
+        write_config(staging, config)  # the version's own description, for a service that loads it later
         staging.rename(model_dir / str(version))
-        write_config(model_dir, config)
+        write_config(model_dir, config)  # the model's newest version
         return config
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -32,6 +32,7 @@ __all__ = [
     "default_hyperparameters",
     "example_feed",
     "list_models",
+    "list_versions",
     "read_config",
     "sha256_of",
     "signature",
@@ -230,10 +231,23 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_config(model_dir: Path) -> ModelConfig:
-    with open(model_dir / CONFIG_FILE, encoding="utf-8") as f:
+def read_config(model_dir: Path, version: int | None = None) -> ModelConfig:
+    """The model's config.json (its newest version), or one version's own (`<version>/config.json`;
+    for a version exported before versions had one, the model's, if it is that version)."""
+    path = model_dir / CONFIG_FILE
+    if version is not None and (model_dir / str(version) / CONFIG_FILE).exists():
+        path = model_dir / str(version) / CONFIG_FILE
+    with open(path, encoding="utf-8") as f:
         raw = json.load(f)
-    return ModelConfig(**raw)
+    config = ModelConfig(**raw)
+    if version is not None and config.version != version:
+        raise FileNotFoundError(f"{model_dir.name}/{version} has no config.json")
+    return config
+
+
+def list_versions(model_dir: Path) -> list[int]:
+    """The version folders of a model, oldest first."""
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def write_config(model_dir: Path, config: ModelConfig) -> None:

@@ -17,14 +17,15 @@ from fastapi.staticfiles import StaticFiles
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.auth import require_api_key
+from service.auth import require_admin, require_api_key
 from service.batching import Scheduler
 from service.config import Settings, get_settings
+from service.control import ModelControl
 from service.dataplane import Dataplane
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContext, configure_logging, flush_logs
-from service.routes import attend, health, models, page, v2
+from service.routes import attend, health, models, page, repository, v2
 from service.runtime import Registry
 
 log = logging.getLogger("service")
@@ -72,6 +73,9 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
         app.state.scheduler = scheduler
         app.state.dataplane = Dataplane(registry, app.state.metrics, settings.request_limits(), scheduler,
                                         settings.resolved_inference_threads(), settings.inline_decode_bytes)
+        app.state.control = ModelControl(registry, scheduler, settings.keep_versions, settings.grace_period_s)
+        if settings.poll_s:
+            scheduler.spawn(app.state.control.poll(settings.poll_s))
         app.state.metrics.in_flight.set_function(lambda: app.state.dataplane.in_flight)
         app.state.attend.dataplane = app.state.infer.dataplane = app.state.dataplane
         app.state.serving = True  # stays on while draining: what reaches a handler then was sent before
@@ -133,6 +137,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.metrics = Metrics()
     app.state.ready = app.state.serving = False
     app.state.api_keys = settings.api_key_list()
+    app.state.admin_keys = settings.admin_key_list()
     install_error_handlers(app)
     _offline_docs(app)
     page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
@@ -151,6 +156,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.include_router(health.router)
     app.include_router(v2.router, dependencies=protected)
     app.include_router(v2.health_router)
+    app.include_router(repository.router, dependencies=[Depends(require_admin)])
     if settings.cors_origin_list():
         # CORS headers come from the middleware: /attend goes through FastAPI's stack (and its route).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],

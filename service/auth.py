@@ -35,3 +35,21 @@ async def require_api_key(request: Request) -> None:
     keys: tuple[bytes, ...] = request.app.state.api_keys
     if keys:
         check_api_key(request.headers.get("authorization", "").encode("latin-1"), keys)
+
+
+class ControlOff(ServiceError):
+    status, code = 404, "not_found"
+
+
+async def require_admin(request: Request) -> None:
+    """Model control: an admin key where ATTEND_ADMIN_KEYS is set; else off (404), unless
+    ATTEND_MODEL_CONTROL=true opens it (then the API keys, if any, apply as to every route)."""
+    state = request.app.state
+    header = request.headers.get("authorization", "").encode("latin-1")
+    if state.admin_keys:
+        check_api_key(header, state.admin_keys)
+    elif not state.settings.model_control:
+        raise ControlOff("model control is off: set ATTEND_ADMIN_KEYS (or ATTEND_MODEL_CONTROL=true on a trusted "
+                         "network)")
+    elif state.api_keys:
+        check_api_key(header, state.api_keys)

@@ -168,6 +168,7 @@ class Batcher:
         self._gather_target = 0
         self.size = 0
         self.stepping = False  # a batch is being taken and run (by the batcher's task or by a leader)
+        self.running = 0  # batches on inference threads
         # Seconds per row of a session run, by length bucket: what decides inline or thread.
         self.per_row: dict[tuple, float] = {}
 
@@ -302,6 +303,7 @@ class Batcher:
                 self._deliver(jobs, results, None)
         else:
             await scheduler.threads.acquire()
+            self.running += 1
             scheduler.spawn(self._in_thread(jobs))
 
     def run_alone(self, job: Job) -> Any:
@@ -352,6 +354,7 @@ class Batcher:
             self._learn(jobs, seconds)
             self._deliver(jobs, results, None)
         finally:
+            self.running -= 1
             scheduler.threads.release()
 
 
@@ -369,7 +372,11 @@ class Scheduler:
         # how many requests a batch can expect at most.
         self.connections: set | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
-        self.batchers = {m.name: Batcher(m, limits, self) for m in models}
+        # One batcher (a queue and its task) per snapshot being served: a new version gets its own,
+        # and a retired one drains what it holds, then goes.
+        self.batchers: dict[tuple[str, int], Batcher] = {}
+        self._loops: dict[tuple[str, int], asyncio.Task] = {}
+        self._models = list(models)
         self._tasks: set[asyncio.Task] = set()
 
     def spawn(self, coro) -> None:
@@ -381,8 +388,35 @@ class Scheduler:
         """In the event loop that will serve: it is looked up once, here (on Python 3.11 every
         asyncio.get_running_loop() costs a getpid() system call)."""
         self.loop = asyncio.get_running_loop()
-        for batcher in self.batchers.values():
-            self.spawn(batcher.loop())
+        for model in self._models:
+            self.batcher_for(model)
+
+    def batcher_for(self, model: LoadedModel) -> Batcher:
+        """The batcher of this snapshot, made (with its task) the first time it is asked for."""
+        key = (model.name, model.config.version)
+        batcher = self.batchers.get(key)
+        if batcher is None or batcher.model is not model:
+            batcher = self.batchers[key] = Batcher(model, self.limits, self)
+            task = self._loops[key] = self.loop.create_task(batcher.loop())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return batcher
+
+    async def retire(self, model: LoadedModel, timeout: float) -> bool:
+        """Let the snapshot's batcher finish what it holds (queued, and running on a thread), then
+        stop it. False when that took longer than `timeout` (it is stopped anyway)."""
+        key = (model.name, model.config.version)
+        batcher = self.batchers.get(key)
+        if batcher is None or batcher.model is not model:
+            return True
+        end = self.loop.time() + timeout
+        while (batcher.size or batcher.stepping or batcher.running) and self.loop.time() < end:
+            await asyncio.sleep(0.005)
+        drained = not (batcher.size or batcher.stepping or batcher.running)
+        if self.batchers.get(key) is batcher:
+            del self.batchers[key]
+            self._loops.pop(key).cancel()
+        return drained
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -406,7 +440,7 @@ class Scheduler:
             self.metrics.rejected.labels(job.request.model.name).inc()
             raise Overloaded(f"the queue is full ({self.limits.max_queue} requests waiting); retry shortly",
                              headers={"Retry-After": "1"})
-        batcher = self.batchers[job.request.model.name]
+        batcher = self.batcher_for(job.request.model)
         idle = not batcher.stepping and not batcher.size and not self.paused
         if idle and alone and batcher._inline([job]):
             return batcher.run_alone(job)

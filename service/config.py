@@ -83,9 +83,20 @@ class Settings(BaseSettings):
     # Access. Comma-separated; empty = no keys needed. SecretStr keeps them out of reprs and logs.
     api_keys: SecretStr = SecretStr("")
     cors_origins: str = Field("", description="comma-separated origins allowed by CORS; empty = CORS off")
+    # Model control (load, unload, the repository index) is an admin operation: with admin keys set,
+    # it needs one of them; without, it is off (404) unless model_control opens it (a trusted network).
+    admin_keys: SecretStr = SecretStr("")
+    model_control: bool = False
+
+    # Models that change while serving (service.control).
+    keep_versions: int = Field(1, ge=1, description="versions of a model that stay loaded")
+    poll_s: float = Field(0.0, ge=0, description="reload models whose newest version changed every N seconds; 0: off")
 
     def api_key_list(self) -> tuple[bytes, ...]:
         return tuple(k.strip().encode() for k in self.api_keys.get_secret_value().split(",") if k.strip())
+
+    def admin_key_list(self) -> tuple[bytes, ...]:
+        return tuple(k.strip().encode() for k in self.admin_keys.get_secret_value().split(",") if k.strip())
 
     def cors_origin_list(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]

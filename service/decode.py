@@ -44,7 +44,7 @@ from service.runtime import LoadedModel, Registry
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values", "scores")
-FIELDS = ("model", *ARRAY_FIELDS, "valid_lens", "return_weights")
+FIELDS = ("model", "version", *ARRAY_FIELDS, "valid_lens", "return_weights")
 SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})
 _WHY_NOT = {
     "self_attention": ": its keys and values are the queries",
@@ -513,7 +513,17 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
     name = data.get("model", DEFAULT_MODEL)
     if not isinstance(name, str):
         raise InvalidRequest(f"model must be a string (a name of GET /models), got {json_type(name)}", field="model")
-    model = registry.get(name)
+    version = data.get("version")
+    if version is not None:
+        if version.__class__ is not int or version < 1:
+            raise InvalidRequest(f"version must be a positive integer, got {json_type(version)}", field="version")
+        model = registry.get(name, version)
+        if model is None and registry.get(name) is not None:
+            loaded = ", ".join(map(str, registry.loaded_versions(name)))
+            raise ModelNotFound(f"version {version} of model {excerpt(name)} is not loaded; loaded: {loaded}",
+                                field="version")
+    else:
+        model = registry.get(name)
     if model is None and name in registry.broken:
         raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}", field="model")
     if model is None:

@@ -23,7 +23,16 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from export.repository import ModelConfig, TensorSpec, example_feed, list_models, read_config, sha256_of
+from export.repository import (
+    CONFIG_FILE,
+    ModelConfig,
+    TensorSpec,
+    example_feed,
+    list_models,
+    list_versions,
+    read_config,
+    sha256_of,
+)
 
 log = logging.getLogger("service")
 
@@ -204,17 +213,22 @@ def warm_up(model: LoadedModel) -> None:
     model.run(example_feed(model.kind, model.config.hyperparameters, sizes, np.random.default_rng(0)))
 
 
-def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool) -> LoadedModel:
+def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool,
+               version: int | None = None) -> LoadedModel:
+    """A session for the model's newest version (or `version`), checked against its config.json.
+    Errors name files relative to the repository: they reach clients (GET /models, the load route)."""
+    shown = f"{model_dir.name}/{version}" if version is not None else model_dir.name
     try:
-        config = read_config(model_dir)
+        config = read_config(model_dir, version)
     except Exception as e:
-        raise StartupError(f"model {model_dir.name}: unreadable config.json: {e}") from e
+        raise StartupError(f"model {shown}: unreadable config.json: {_without_paths(str(e), model_dir)}") from e
     path = model_dir / config.model_file
+    relative = f"{model_dir.name}/{config.model_file}"
     if not path.is_file():
-        raise StartupError(f"model {config.name}: {path} is missing")
+        raise StartupError(f"model {config.name}: {relative} is missing")
     digest = sha256_of(path)
     if digest != config.sha256:
-        raise StartupError(f"model {config.name}: sha256 of {path} is {digest}, config.json says {config.sha256}")
+        raise StartupError(f"model {config.name}: sha256 of {relative} is {digest}, config.json says {config.sha256}")
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1
@@ -223,7 +237,8 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     try:
         session, cuda_failure = _new_session(path, options, providers)
     except Exception as e:
-        raise StartupError(f"model {config.name}: ONNX Runtime cannot load {path}: {e}") from e
+        raise StartupError(f"model {config.name}: ONNX Runtime cannot load {relative}: "
+                           f"{_without_paths(str(e), model_dir)}") from e
     # ORT falls back to the CPU silently when CUDA cannot load: report what really runs.
     provider = session.get_providers()[0]
     if require_cuda and provider != CUDA:
@@ -234,18 +249,127 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     return model
 
 
+def _without_paths(text: str, model_dir: Path) -> str:
+    """A library's message with the repository's location taken out (it is the server's business)."""
+    return text.replace(str(model_dir.parent.resolve()) + "/", "").replace(str(model_dir.parent) + "/", "")
+
+
+@dataclass
+class Loader:
+    """How sessions are made: the same for start-up and for every load while serving."""
+
+    repository: Path
+    device: str
+    intra_op_threads: int
+    cuda_tf32: bool = False
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu":
+            _preload_cuda()
+        self.providers = providers_for(self.device, self.cuda_tf32)
+
+    def load(self, name: str, version: int | None = None) -> LoadedModel:
+        """Load, check and warm up `name` (its newest version, or `version`). StartupError when it
+        cannot be served, with the reason."""
+        model_dir = self.repository / name
+        if not (model_dir / CONFIG_FILE).is_file():
+            raise StartupError(f"model {name}: no such model in the repository (no {name}/{CONFIG_FILE})")
+        start = time.perf_counter()
+        model = load_model(model_dir, self.providers, self.intra_op_threads, require_cuda=self.device == "cuda",
+                           version=version)
+        if self.warmup:
+            try:
+                warm_up(model)
+            except Exception as e:  # warm-up failing is the model's fault too
+                raise StartupError(f"model {name}: warm-up failed: {_without_paths(str(e), model_dir)}") from e
+        if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
+            # Tried once, fell back: spare the other models the same failed attempt.
+            log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
+            self.providers = [CPU]
+        log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind, model.config.version,
+                 model.provider, time.perf_counter() - start)
+        return model
+
+    def newest(self, name: str) -> int | None:
+        """The version the model's config.json names as the newest, or None (no such model, unreadable)."""
+        try:
+            return read_config(self.repository / name).version
+        except Exception:
+            return None
+
+
 class Registry:
-    """Every model of the repository, by name; and, when broken models are skipped, why each was."""
+    """The models being served, by name and version, and why the others are not.
 
-    def __init__(self, models: dict[str, LoadedModel], broken: dict[str, str] | None = None):
-        self.models = models
-        self.broken = broken or {}
+    Loaded models are immutable snapshots; loading a version builds and warms a new one beside the
+    ones serving, then `install` puts it in with one assignment. A request holds the snapshot it
+    resolved, so a swap never disturbs it, and a retired snapshot drains by itself."""
 
-    def get(self, name: str) -> LoadedModel | None:
-        return self.models.get(name)
+    def __init__(self, models: dict[str, LoadedModel], broken: dict[str, str] | None = None,
+                 loader: Loader | None = None):
+        # name -> {version: snapshot}, newest last
+        self.versions: dict[str, dict[int, LoadedModel]] = {m.name: {m.config.version: m} for m in models.values()}
+        self.broken = broken or {}  # name -> why it is not served (nothing else is)
+        self.failed: dict[tuple[str, int], str] = {}  # (name, version) -> why its last load failed
+        self.loader = loader
+
+    @property
+    def models(self) -> dict[str, LoadedModel]:
+        """The served (newest loaded) version of every model."""
+        return {name: versions[max(versions)] for name, versions in self.versions.items() if versions}
+
+    def get(self, name: str, version: int | None = None) -> LoadedModel | None:
+        versions = self.versions.get(name)
+        if not versions:
+            return None
+        return versions[max(versions)] if version is None else versions.get(version)
 
     def names(self) -> list[str]:
-        return sorted(self.models)
+        return sorted(name for name, versions in self.versions.items() if versions)
+
+    def loaded_versions(self, name: str) -> list[int]:
+        return sorted(self.versions.get(name, {}))
+
+    def install(self, model: LoadedModel, keep: int) -> list[LoadedModel]:
+        """Serve `model` (newer versions win), keeping the `keep` newest loaded versions; returns the
+        snapshots retired. One assignment: a request sees the old set or the new one."""
+        versions = dict(self.versions.get(model.name, {}))
+        versions[model.config.version] = model
+        kept = sorted(versions)[-keep:]
+        retired = [versions[v] for v in versions if v not in kept]
+        self.versions = {**self.versions, model.name: {v: versions[v] for v in kept}}
+        self.broken.pop(model.name, None)
+        self.failed.pop((model.name, model.config.version), None)
+        return retired
+
+    def remove(self, name: str) -> list[LoadedModel]:
+        """Stop serving `name`; returns the snapshots retired."""
+        retired = list(self.versions.get(name, {}).values())
+        self.versions = {n: v for n, v in self.versions.items() if n != name}
+        return retired
+
+    def index(self) -> list[dict[str, Any]]:
+        """Every model of the repository folder with its versions and their states: READY (served),
+        UNAVAILABLE (its last load failed; the reason) or "" (not loaded)."""
+        rows = []
+        repository = self.loader.repository if self.loader else None
+        names = set(self.versions) | set(self.broken)
+        if repository is not None and repository.is_dir():
+            names |= {d.name for d in list_models(repository)}
+        for name in sorted(names):
+            on_disk = list_versions(repository / name) if repository and (repository / name).is_dir() else []
+            for version in sorted(set(on_disk) | set(self.versions.get(name, {}))):
+                if version in self.versions.get(name, {}):
+                    rows.append({"name": name, "version": str(version), "state": "READY", "reason": ""})
+                elif (name, version) in self.failed:
+                    rows.append({"name": name, "version": str(version), "state": "UNAVAILABLE",
+                                 "reason": self.failed[(name, version)]})
+                else:
+                    rows.append({"name": name, "version": str(version), "state": "", "reason": ""})
+            if not on_disk and name in self.broken and name not in self.versions:
+                rows.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": self.broken[name]})
+        return rows
 
     @classmethod
     def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
@@ -258,37 +382,19 @@ class Registry:
         dirs = list_models(repository)
         if not dirs:
             raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
-        if device != "cpu":
-            _preload_cuda()
-        providers = providers_for(device, cuda_tf32)
+        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup)
         models: dict[str, LoadedModel] = {}
         broken: dict[str, str] = {}
         for model_dir in dirs:
-            start = time.perf_counter()
             try:
-                model = load_model(model_dir, providers, intra_op_threads, require_cuda=device == "cuda")
-                if warmup:
-                    warm_up(model)
+                model = loader.load(model_dir.name)
             except StartupError as e:
                 if not skip_broken:
                     raise
                 broken[model_dir.name] = str(e)
                 log.error("skipping model %s: %s", model_dir.name, e)
                 continue
-            except Exception as e:  # warm-up failing is the model's fault too
-                reason = f"model {model_dir.name}: warm-up failed: {e}"
-                if not skip_broken:
-                    raise StartupError(reason) from e
-                broken[model_dir.name] = reason
-                log.error("skipping model %s: %s", model_dir.name, reason)
-                continue
-            if device == "auto" and model.provider != CUDA and CUDA in str(providers):
-                # Tried once, fell back: spare the other models the same failed attempt.
-                log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
-                providers = [CPU]
             models[model.name] = model
-            log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind,
-                     model.config.version, model.provider, time.perf_counter() - start)
         if not models:
             raise StartupError(f"no model of {repository} can be served: " + "; ".join(broken.values()))
-        return cls(models, broken)
+        return cls(models, broken, loader)

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from service.decode import excerpt
 from service.errors import ModelNotFound
 from service.schemas import error_responses
 
@@ -16,18 +17,31 @@ router = APIRouter()
             summary="Every model: kind, hyperparameters, feature sizes, axes, provider, version")
 async def list_models(request: Request) -> dict[str, Any]:
     registry = request.app.state.registry
-    ready = [registry.get(name).describe() | {"status": "ready"} for name in registry.names()]
-    broken = [{"name": name, "status": "unavailable", "reason": reason}
-              for name, reason in sorted(registry.broken.items())]
-    return {"models": ready + broken}
+    return {"models": [_describe(registry, name) for name in _all_names(registry)]}
+
+
+def _all_names(registry: Any) -> list[str]:
+    """Served, broken, and in the repository folder but not loaded."""
+    return sorted({row["name"] for row in registry.index()} | set(registry.names()) | set(registry.broken))
+
+
+def _describe(registry: Any, name: str) -> dict[str, Any]:
+    """A model as GET /models shows it: served (with the version it serves and the versions loaded),
+    unavailable (why), or not loaded; and the state of each version of the repository folder."""
+    versions = [{"version": r["version"], "state": r["state"] or "not loaded", **({"reason": r["reason"]}
+                 if r["reason"] else {})} for r in registry.index() if r["name"] == name and r["version"]]
+    model = registry.get(name)
+    if model is not None:
+        return model.describe() | {"status": "ready", "loaded_versions": registry.loaded_versions(name),
+                                   "repository_versions": versions}
+    if name in registry.broken:
+        return {"name": name, "status": "unavailable", "reason": registry.broken[name], "repository_versions": versions}
+    return {"name": name, "status": "not loaded", "repository_versions": versions}
 
 
 @router.get("/models/{name}", responses=error_responses(401, 404, 422), summary="One model")
 async def get_model(request: Request, name: str) -> dict[str, Any]:
     registry = request.app.state.registry
-    model = registry.get(name)
-    if model is None and name in registry.broken:
-        return {"name": name, "status": "unavailable", "reason": registry.broken[name]}
-    if model is None:
-        raise ModelNotFound(f"unknown model {name!r}; available: {', '.join(registry.names())}", field="name")
-    return model.describe() | {"status": "ready"}
+    if name not in _all_names(registry):
+        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field="name")
+    return _describe(registry, name)

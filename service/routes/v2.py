@@ -2,7 +2,8 @@
 extension: a codec, nothing else. Inference requests become the same `Request` as /attend's and go
 through the same dataplane (batching with /attend's requests, limits, deadlines, metrics, keys).
 
-    GET  /v2                                   server metadata (extensions: binary_tensor_data)
+    GET  /v2                                   server metadata (extensions: binary_tensor_data, and
+                                               model_repository where model control is on)
     GET  /v2/health/live, /v2/health/ready
     GET  /v2/models/{m}[/versions/{v}]         model metadata: inputs and outputs, -1 for dynamic axes
     GET  /v2/models/{m}[/versions/{v}]/ready
@@ -47,7 +48,6 @@ from service.schemas import protocol_errors
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
 health_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])  # open: no API key
 OCTETS = b"application/octet-stream"
-EXTENSIONS = ["binary_tensor_data"]
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
 _ACCEPTED = {"float32": {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")},
@@ -121,7 +121,11 @@ def _json(body: Any, status: int = 200) -> Response:
 
 @router.get("", summary="Server metadata", responses=protocol_errors(401))
 async def server_metadata(request: Request) -> Response:
-    return _json({"name": "attend", "version": request.app.version, "extensions": EXTENSIONS})
+    state = request.app.state
+    extensions = ["binary_tensor_data"]
+    if state.admin_keys or state.settings.model_control:  # the repository routes are on (service.auth)
+        extensions.append("model_repository")
+    return _json({"name": "attend", "version": request.app.version, "extensions": extensions})
 
 
 @health_router.get("/health/live", summary="The process is up")

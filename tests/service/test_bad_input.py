@@ -131,10 +131,10 @@ MESSAGES = [
     ("lens-string", "valid_lens must be null or an array of integers (batch) or (batch, n_q), got a string"),
     ("nan-token", "the request body is not valid JSON: NaN and Infinity are not JSON numbers (line 1 column 16)"),
     ("infinity-token", "the request body is not valid JSON: NaN and Infinity are not JSON numbers (line 1 column 16)"),
-    ("unknown-field", "unknown field 'valid_len'; expected: model, queries, keys, values, scores, valid_lens, "
-     "return_weights"),
-    ("unknown-field-long", "unknown field '" + "x" * 64 + "'... (10000 characters); expected: model, queries, keys, "
-     "values, scores, valid_lens, return_weights"),
+    ("unknown-field", "unknown field 'valid_len'; expected: model, version, queries, keys, values, scores, "
+     "valid_lens, return_weights"),
+    ("unknown-field-long", "unknown field '" + "x" * 64 + "'... (10000 characters); expected: model, version, "
+     "queries, keys, values, scores, valid_lens, return_weights"),
     ("unknown-model-long", "unknown model '" + "m" * 64 + "'... (100000 characters); available: additive, "
      "dot_product, masked_softmax, multi_head, positional_encoding, self_attention"),
 ]
