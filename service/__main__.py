@@ -3,6 +3,9 @@
 The models are loaded before uvicorn starts, so a repository that cannot be served stops the
 process with a one-line reason and exit code 1, before any port is open.
 
+SIGHUP: every model whose newest version in the repository is not the one served is loaded and
+swapped in (service.control); what is in flight finishes on the version it started on.
+
 SIGTERM (and SIGINT): readiness turns 503 at once; the listener closes half a second later (new
 connections are refused from then on); requests in flight and in the batch queue finish; then the
 process exits, within ATTEND_GRACE_PERIOD_S.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from types import FrameType
@@ -47,6 +51,9 @@ class GracefulServer(uvicorn.Server):
             # reads how many.
             self.app.state.dataplane.server_tasks = self.server_state.tasks
             self.app.state.scheduler.connections = self.server_state.connections
+            # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
+            # its default action would end the process).
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
             loop = type(asyncio.get_running_loop())
             log.info("serving on %s/ (the page; API docs: %s/docs); uvicorn on %s.%s with %s",
                      *[serving_url(self)] * 2, loop.__module__, loop.__qualname__,
@@ -72,6 +79,12 @@ class GracefulServer(uvicorn.Server):
             await asyncio.sleep(0.01)
         await super().shutdown(sockets)
         flush_logs()  # uvicorn re-raises the signal next, and a process ended by a signal skips atexit
+
+    def _reload(self) -> None:
+        state = self.app.state
+        if state.ready:
+            log.info("SIGHUP: loading the models whose newest version changed")
+            state.scheduler.spawn(state.control.reload_changed())
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.app.state.ready:

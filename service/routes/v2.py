@@ -67,14 +67,17 @@ def error_json(error: ServiceError) -> bytes:
 
 
 def _model(registry: Registry, name: str, version: str | None = None) -> LoadedModel:
+    """The served version of the model, or the one asked for where it is loaded."""
     model = registry.get(name)
     if model is None and name in registry.broken:
         raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}")
     if model is None:
         raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}")
-    if version is not None and version != str(model.config.version):
-        raise ModelNotFound(f"version {excerpt(version)} of model {name} is not loaded; version "
-                            f"{model.config.version} is")
+    if version is not None:
+        model = registry.get(name, int(version)) if version.isdigit() else None
+        if model is None:
+            loaded = ", ".join(map(str, registry.loaded_versions(name)))
+            raise ModelNotFound(f"version {excerpt(version)} of model {name} is not loaded; loaded: {loaded}")
     return model
 
 

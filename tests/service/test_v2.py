@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import struct
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -165,8 +166,8 @@ def test_other_float_and_int_types_are_converted(server):
 
 
 def test_both_protocols_merge_into_the_same_runs(server):
-    """JSON /attend requests and binary protocol requests of one model, at once: merged runs, each
-    answer its own."""
+    """JSON /attend requests and binary protocol requests of one model, sent at the same moment (a
+    barrier): merged runs, each answer its own."""
     rng = np.random.default_rng(9)
     bodies = [make_body("dot_product", rng, 2, 3, 4, form) for form in ("absent", "1d", "2d") * 8]
     expected = [_expected(server, b) for b in bodies]
@@ -175,17 +176,26 @@ def test_both_protocols_merge_into_the_same_runs(server):
     def total(text, name):
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + '{model="dot_'))
 
+    barrier = threading.Barrier(len(bodies))
+
     def send(item):
         i, body = item
         if i % 2:
-            return httpx.post(f"{server}/attend", content=body, headers={"content-type": "application/json"}).json()
+            with httpx.Client(base_url=server) as http:
+                http.get("/health/live")  # connected before the barrier
+                barrier.wait()
+                return http.post("/attend", content=body, headers={"content-type": "application/json"}).json()
         client = httpclient.InferenceServerClient(server.removeprefix("http://"))
         _, tensors = _arrays(body)
-        result = client.infer("dot_product", _inputs(httpclient, tensors, True))
+        inputs = _inputs(httpclient, tensors, True)
+        client.is_server_live()
+        barrier.wait()
+        result = client.infer("dot_product", inputs)
         return {"outputs": result.as_numpy("outputs"), "attention_weights": result.as_numpy("attention_weights")}
 
     for _ in range(3):
-        with ThreadPoolExecutor(16) as pool:
+        barrier.reset()
+        with ThreadPoolExecutor(len(bodies)) as pool:
             got = list(pool.map(send, enumerate(bodies)))
         for g, e in zip(got, expected, strict=True):
             np.testing.assert_allclose(np.array(g["outputs"]), np.array(e["outputs"]), rtol=1e-5, atol=1e-6)
@@ -309,7 +319,7 @@ def test_gzip_bomb_is_bounded(repository):
 def test_errors_and_routes_of_the_protocol(http):
     assert http.post("/v2/models/nope/infer", content=b"{}").status_code == 404
     assert http.post("/v2/models/additive/versions/9/infer", content=b"{}").json() == \
-        {"error": "version '9' of model additive is not loaded; version 1 is"}
+        {"error": "version '9' of model additive is not loaded; loaded: 1"}
     assert http.get("/v2/models/nope").status_code == 404 and set(http.get("/v2/models/nope").json()) == {"error"}
     assert http.get("/v2/nowhere").json() == {"error": "Not Found"}
     deflated = zlib.compress(json.dumps({"inputs": [

@@ -1,0 +1,210 @@
+"""Models that change while serving, against the real process under steady concurrent load (every
+response checked): a new version loads with zero failed requests, every answer is the old or the new
+version's and none is old once the load has returned; a broken version fails with its reason while
+the old one keeps serving; unload finishes what is queued, then 404; SIGHUP does what load does."""
+
+import json
+import shutil
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from export.cli import main as export
+from tests.server import running_service
+
+pytestmark = pytest.mark.slow
+
+QUERIES = np.random.default_rng(0).normal(size=(2, 4, 100)).round(4).tolist()
+BODY = json.dumps({"model": "multi_head", "queries": QUERIES, "keys": QUERIES, "values": QUERIES,
+                   "valid_lens": [3, 4]}).encode()
+ADMIN = {"Authorization": "Bearer admin-key-1"}
+
+
+@pytest.fixture
+def repo(repository, tmp_path):
+    """A repository of its own (the tests export new versions into it)."""
+    path = shutil.copytree(repository, tmp_path / "repo")
+    for name in ("additive", "dot_product", "masked_softmax", "positional_encoding", "self_attention"):
+        shutil.rmtree(path / name)  # multi_head alone: quicker to start
+    return path
+
+
+class Load:
+    """Clients sending BODY without pause, each response recorded with when it was sent."""
+
+    def __init__(self, url: str, clients: int = 4, body: bytes = BODY, path: str = "/attend"):
+        self.url, self.body, self.path = url, body, path
+        self.results: list[tuple[float, float, int, object]] = []  # (sent, answered, status, outputs)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            while not self.stop.is_set():
+                sent = time.monotonic()
+                try:
+                    r = http.post(self.path, content=self.body, headers={"content-type": "application/json"})
+                    outputs = r.json().get("outputs") if r.status_code == 200 else r.json()
+                    self.results.append((sent, time.monotonic(), r.status_code, outputs))
+                except httpx.HTTPError as e:
+                    self.results.append((sent, time.monotonic(), -1, repr(e)))
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.3)
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+
+def _outputs(url: str) -> np.ndarray:
+    return np.array(httpx.post(f"{url}/attend", content=BODY, headers={"content-type": "application/json"},
+                               timeout=30).json()["outputs"])
+
+
+def _version(url: str) -> int:
+    return httpx.get(f"{url}/models/multi_head", timeout=10).json()["version"]
+
+
+def _classify(results, old, new):
+    """For each response: 'old', 'new', or what it was instead."""
+    kinds = []
+    for sent, answered, status, outputs in results:
+        if status != 200:
+            kinds.append((sent, answered, f"status {status}: {outputs}"))
+        elif np.allclose(outputs, old, rtol=1e-5, atol=1e-6):
+            kinds.append((sent, answered, "old"))
+        elif np.allclose(outputs, new, rtol=1e-5, atol=1e-6):
+            kinds.append((sent, answered, "new"))
+        else:
+            kinds.append((sent, answered, "neither"))
+    return kinds
+
+
+def test_a_new_version_loads_under_load_with_nothing_failed(repo):
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        old = _outputs(url)
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0  # version 2
+        assert _version(url) == 1  # exported is not served: nothing happens until the load
+        with Load(url) as load:
+            response = httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60)
+            assert response.status_code == 200, response.text
+            loaded_at = time.monotonic()
+            time.sleep(1.0)
+        new = _outputs(url)
+        assert not np.allclose(old, new)  # really other weights
+        kinds = _classify(load.results, old, new)
+        assert [k for k in kinds if k[2] not in ("old", "new")] == []  # zero failed, nothing else
+        assert not [k for k in kinds if k[0] > loaded_at and k[2] == "old"]  # none old after the load returned
+        assert {k[2] for k in kinds} == {"old", "new"} and len(kinds) > 50
+        assert _version(url) == 2
+        index = httpx.post(f"{url}/v2/repository/index", headers=ADMIN).json()
+        assert {(r["name"], r["version"], r["state"]) for r in index} == {("multi_head", "1", ""),
+                                                                          ("multi_head", "2", "READY")}
+
+
+def test_a_broken_version_fails_with_its_reason_and_the_old_keeps_serving(repo):
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        old = _outputs(url)
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
+        (repo / "multi_head" / "2" / "model.onnx").write_bytes(b"\x08\x07 not a model")
+        with Load(url) as load:
+            response = httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60)
+        assert response.status_code == 400
+        assert response.json()["error"].startswith("model multi_head: sha256 of multi_head/2/model.onnx is ")
+        assert str(repo) not in response.text  # no server path in an error body
+        kinds = _classify(load.results, old, old)
+        assert {k[2] for k in kinds} == {"old"} and len(kinds) > 20
+        assert _version(url) == 1
+        models = httpx.get(f"{url}/models/multi_head").json()
+        assert models["status"] == "ready" and models["version"] == 1
+        states = {v["version"]: v for v in models["repository_versions"]}
+        assert states["2"]["state"] == "UNAVAILABLE" and "sha256" in states["2"]["reason"]
+        assert states["1"]["state"] == "READY"
+
+
+def test_unload_finishes_the_queue_then_404(repo):
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        old = _outputs(url)
+        with Load(url, clients=6) as load:
+            called_at = time.monotonic()
+            response = httpx.post(f"{url}/v2/repository/models/multi_head/unload", headers=ADMIN, timeout=60)
+            assert response.status_code == 200
+            unloaded_at = time.monotonic()
+            time.sleep(0.5)
+        kinds = _classify(load.results, old, old)
+        assert all(k[2] == "old" or k[2].startswith("status 404") for k in kinds)  # nothing else: no 5xx
+        # What was in flight when the unload began finished, on the model...
+        assert [k for k in kinds if k[0] < called_at < k[1] and k[2] == "old"]
+        # ... and once the unload has answered, the model is gone.
+        after = [k for k in kinds if k[0] > unloaded_at]
+        assert after and all(k[2].startswith("status 404") for k in after)
+        assert httpx.get(f"{url}/models/multi_head").json()["status"] == "not loaded"
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60).status_code == 200
+        assert np.allclose(_outputs(url), old)
+
+
+def test_sighup_loads_what_changed_under_load(repo):
+    with running_service(repo) as (url, proc):
+        old = _outputs(url)
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
+        with Load(url) as load:
+            proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while _version(url) != 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            swapped_at = time.monotonic()
+            time.sleep(1.0)
+        assert proc.poll() is None  # SIGHUP never ends the service
+        new = _outputs(url)
+        kinds = _classify(load.results, old, new)
+        assert [k for k in kinds if k[2] not in ("old", "new")] == []
+        assert not [k for k in kinds if k[0] > swapped_at and k[2] == "old"]
+        assert {k[2] for k in kinds} == {"old", "new"}
+        proc.send_signal(signal.SIGHUP)  # nothing changed: nothing happens
+        time.sleep(0.5)
+        assert proc.poll() is None and _version(url) == 2
+
+
+def test_older_versions_stay_addressable_where_kept(repo):
+    with running_service(repo, ATTEND_MODEL_CONTROL="true", ATTEND_KEEP_VERSIONS="2") as (url, _):
+        old = _outputs(url)
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/load", timeout=60).status_code == 200
+        pinned = json.loads(BODY) | {"version": 1}
+        assert np.allclose(httpx.post(f"{url}/attend", json=pinned).json()["outputs"], old)
+        assert httpx.get(f"{url}/models/multi_head").json()["loaded_versions"] == [1, 2]
+        v1 = httpx.post(f"{url}/v2/models/multi_head/versions/1/infer", json={"inputs": [
+            {"name": n, "datatype": "FP32", "shape": [2, 4, 100], "data": QUERIES} for n in ("queries", "keys",
+                                                                                             "values")]})
+        assert v1.status_code == 200 and v1.json()["model_version"] == "1"
+        missing = httpx.post(f"{url}/attend", json=json.loads(BODY) | {"version": 5})
+        assert missing.status_code == 404 and missing.json()["error"]["field"] == "version"
+
+
+def test_model_control_is_an_admin_operation(repo):
+    # Off by default: 404, and /v2 does not list the extension.
+    with running_service(repo) as (url, _):
+        assert httpx.post(f"{url}/v2/repository/index").status_code == 404
+        assert "model_repository" not in httpx.get(f"{url}/v2").json()["extensions"]
+    # Admin keys: the API keys are not enough.
+    with running_service(repo, ATTEND_API_KEYS="user-key", ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        user = {"Authorization": "Bearer user-key"}
+        assert httpx.post(f"{url}/v2/repository/index", headers=user).status_code == 401
+        assert httpx.post(f"{url}/v2/repository/index", headers=ADMIN).status_code == 200
+        assert "model_repository" in httpx.get(f"{url}/v2", headers=user).json()["extensions"]
+        assert httpx.post(f"{url}/v2/repository/models/nope/load", headers=ADMIN, timeout=30).json() == {
+            "error": "model nope: no such model in the repository (no nope/config.json)"}
+    # A trusted network: on, with no key.
+    with running_service(repo, ATTEND_MODEL_CONTROL="true") as (url, _):
+        assert httpx.post(f"{url}/v2/repository/index", json={"ready": True}).json() == [
+            {"name": "multi_head", "version": "1", "state": "READY", "reason": ""}]
