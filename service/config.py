@@ -59,9 +59,17 @@ class Settings(BaseSettings):
     # throughput and lower latency; 0 takes only what is queued.
     max_batch_wait_us: int = Field(300, ge=0, description="how long a batch's first request waits for others")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
-    # Connections served at once (uvicorn's limit_concurrency); more get 503. With the body limit,
-    # it bounds the memory that request bodies can hold before they are decoded.
-    max_connections: int = Field(512, ge=1)
+    # Hostile clients and overload (service.server.GuardedProtocol). Health probes are exempt from
+    # the load limits: an orchestrator must not restart a busy service.
+    max_connections: int = Field(512, ge=1, description="requests in progress at once; more get 503 + Retry-After")
+    max_open_connections: int = Field(4096, ge=1, description="open connections; more are refused at once")
+    max_inflight_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="bytes of request bodies in flight; "
+                                    "a request that would pass it gets 503 + Retry-After before its body is read")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="a request's headers in all; more get 431")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this (408)")
+    body_timeout_s: float = Field(10.0, gt=0, description="a body that does not progress for this long gets 408")
+    min_body_rate: int = Field(32 * 1024, ge=0, description="bytes/s a body must average once body_timeout_s passed")
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
     request_timeout_s: float = Field(30.0, gt=0, description="deadline, queue time included; "
                                      "a client may shorten it with X-Request-Timeout-Ms")
     # Bodies up to this size are decoded on the event loop (simdjson: ~1 ms a MB); a thread hop (65-90 us)

@@ -46,6 +46,7 @@ class Dataplane:
         self.scheduler = scheduler
         self.inline_decode_bytes = inline_decode_bytes
         self.in_flight = 0  # requests between their codec's start and end (the in-flight gauge reads it)
+        self.served_since_trim = 0  # requests since the heap was last trimmed (service.app)
         # The HTTP server's set of requests in progress, where it tells (uvicorn run by python -m
         # service): a request that is the only one has nobody to wait for to share a batch.
         self.server_tasks: set | None = None

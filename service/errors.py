@@ -47,6 +47,10 @@ class InvalidJSON(ServiceError):
     status, code = 400, "invalid_json"
 
 
+class InvalidHeader(ServiceError):
+    status, code = 400, "invalid_header"
+
+
 class ModelNotFound(ServiceError):
     status, code = 404, "model_not_found"
 

@@ -2,11 +2,19 @@
 
 The request path observes through `Metrics.model(name)`: each model's labelled children are looked up
 once and kept, since `labels(...)` costs a lock and a dict lookup per observation.
+
+With ATTEND_WORKERS > 1 the server sets PROMETHEUS_MULTIPROC_DIR before the workers start:
+prometheus_client then keeps every worker's values in files there, and `exposition()` sums them
+(its multiprocess mode), so any worker's /metrics counts all of them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -41,10 +49,10 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.inference = Histogram("attend_inference_seconds", "Time inside ONNX Runtime's session run, by model",
                                    ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("attend_requests_in_flight", "POST /attend requests being served",
-                               registry=self.registry)
+        self.in_flight = Gauge("attend_requests_in_flight", "Inference requests being served",
+                               registry=self.registry, multiprocess_mode="livesum")
         self.queue_depth = Gauge("attend_queue_depth", "Requests waiting for a batch (all models)",
-                                 registry=self.registry)
+                                 registry=self.registry, multiprocess_mode="livesum")
         self.queue_time = Histogram("attend_queue_seconds", "Time a request waited in the queue, by model", ["model"],
                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         self.batch_requests = Histogram("attend_batch_requests", "Requests merged into one session run, by model",
@@ -54,8 +62,26 @@ class Metrics:
                                     ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
         self.rejected = Counter("attend_rejected", "Requests refused with 503 because the queue was full, by model",
                                 ["model"], registry=self.registry)
-        self.ready = Gauge("attend_ready", "1 when every model is loaded and warmed up", registry=self.registry)
+        self.ready = Gauge("attend_ready", "1 when every model is loaded and warmed up (the least of the workers)",
+                           registry=self.registry, multiprocess_mode="livemin")
+        self.client_gone = Counter("attend_client_gone", "Requests whose client went away before the answer "
+                                   "(also counted as status 499 in attend_requests_total)", ["model"],
+                                   registry=self.registry)
         self._models: dict[str, ModelMetrics] = {}
+
+    def exposition(self) -> bytes:
+        """The text of /metrics: this process's registry, or every worker's values in multiprocess mode."""
+        if MULTIPROCESS:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def worker_exit() -> None:
+        """A worker's live gauges leave the sum when it stops (multiprocess mode)."""
+        if MULTIPROCESS:
+            multiprocess.mark_process_dead(os.getpid())
 
     def model(self, name: str) -> ModelMetrics:
         children = self._models.get(name)

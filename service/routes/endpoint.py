@@ -21,7 +21,8 @@ from starlette.types import Receive, Scope, Send
 from service.auth import check_api_key
 from service.batching import Encoder
 from service.decode import Request
-from service.errors import ClientGone, InvalidRequest, NotReady, PayloadTooLarge, ServiceError
+from service.errors import ClientGone, InvalidHeader, NotReady, PayloadTooLarge, ServiceError
+from service.metrics import MULTIPROCESS
 from service.middleware import log_access, new_request_id, request_id
 
 log = logging.getLogger("service")
@@ -67,10 +68,13 @@ def deadline(headers: dict[bytes, bytes], default_s: float) -> float:
     header = headers.get(b"x-request-timeout-ms")
     if header is not None:
         try:
-            timeout = min(timeout, float(header) / 1000)
+            ms = float(header)
         except ValueError:
-            raise InvalidRequest("X-Request-Timeout-Ms must be a number of milliseconds", field="X-Request-Timeout-Ms",
-                                 received=header.decode("latin-1")[:100]) from None
+            ms = float("nan")
+        if not 0 < ms < float("inf"):  # 0, negative, inf and nan are client mistakes, not deadlines passed
+            raise InvalidHeader("X-Request-Timeout-Ms must be a positive number of milliseconds",
+                                field="X-Request-Timeout-Ms", received=header.decode("latin-1")[:100])
+        timeout = min(timeout, ms / 1000)
     return time.monotonic() + timeout
 
 
@@ -161,6 +165,9 @@ class InferenceEndpoint:
                                          extra)
         model = self.model_of(scope)
         dataplane.in_flight += 1
+        dataplane.served_since_trim += 1
+        if MULTIPROCESS:
+            metrics.in_flight.inc()
         try:
             if self.api_keys:
                 check_api_key(headers.get(b"authorization"), self.api_keys)
@@ -173,8 +180,9 @@ class InferenceEndpoint:
             content = await dataplane.infer(request, until, encode, disconnect_probe(receive))
         except ServiceError as e:
             metrics.model(e.model or model).status(e.status).inc()
-            if isinstance(e, ClientGone):
-                return 0  # nobody to answer
+            if isinstance(e, ClientGone):  # not a server error: counted (499, as nginx does), nothing sent
+                metrics.client_gone.labels(e.model or model).inc()
+                return 0
             return await self.send_error(send, e, extra)
         except Exception:
             log.exception("unhandled error on POST %s", scope["path"][:200])
@@ -182,6 +190,8 @@ class InferenceEndpoint:
             return await self.send_error(send, ServiceError("internal server error"), extra)
         finally:
             dataplane.in_flight -= 1
+            if MULTIPROCESS:
+                metrics.in_flight.dec()
         children = metrics.model(model)
         children.status(200).inc()
         children.latency.observe(time.perf_counter() - start)

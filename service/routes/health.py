@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.errors import NotReady
 from service.schemas import error_responses
@@ -30,4 +30,4 @@ async def ready(request: Request) -> dict[str, object]:
 @metrics_router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401),
                     summary="Prometheus metrics (text format)")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

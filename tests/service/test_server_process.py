@@ -73,7 +73,12 @@ def test_the_server_runs_uvloop_and_httptools(repository, tmp_path):
     log = tmp_path / "service.log"
     with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info"):
         pass
-    assert "uvicorn on uvloop.Loop with HttpToolsProtocol" in log.read_text()
+    assert "uvicorn on uvloop.Loop with GuardedProtocol" in log.read_text()  # httptools, guarded (service.server)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from service.server import GuardedProtocol
+
+    assert issubclass(GuardedProtocol, HttpToolsProtocol)
 
 
 def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(repository):

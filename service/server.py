@@ -1,0 +1,426 @@
+"""uvicorn, as the service runs it: a guarded HTTP protocol, a graceful server, and its workers.
+
+`GuardedProtocol` is uvicorn's httptools protocol with what a hostile client would otherwise get
+away with taken away (each limit an ATTEND_* setting, see service/config.py):
+
+- headers must be complete within `header_timeout_s` of the connection (or of the previous
+  response), and within `max_header_bytes` in all: past either, the connection gets a 408 or a
+  431 and is closed; header bytes are never buffered past the limit;
+- a body must keep coming: a connection whose body has not progressed for `body_timeout_s`, or whose
+  average rate is under `min_body_rate` bytes/s after that long, gets a 408 and is closed;
+- requests in progress (not health probes) are bounded by `max_connections`, open connections by
+  `max_open_connections` (beyond: closed at once); the bytes of request bodies in flight by
+  `max_inflight_bytes`: a request that would exceed it gets 503 + Retry-After before a byte of its
+  body is read. Health probes are never refused for load, so an orchestrator does not restart a
+  busy service.
+
+Every refusal carries the service's one JSON error body (and Retry-After for overload).
+
+`GracefulServer` adds readiness and SIGTERM handling to uvicorn's server (see service/__main__.py);
+`run_workers` runs it in every worker process of ATTEND_WORKERS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import resource
+import signal
+import socket
+import tempfile
+from types import FrameType
+from typing import Any
+
+import httptools
+import orjson
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.config import Settings, get_settings
+from service.middleware import flush_logs
+
+log = logging.getLogger("service")
+# After SIGTERM: the listener stays open this long, then accepted connections get at most
+# _SETTLE_S to show their first request.
+_ACCEPT_S = 0.5
+_SETTLE_S = 1.0
+HEALTH = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
+_HEALTH_BYTES = frozenset(p.encode() for p in HEALTH)
+
+
+def _refusal(status: int, code: str, message: str, retry_after: bool = False) -> bytes:
+    """A complete HTTP response for a refusal made before (or instead of) the app: the one error
+    body, and the connection closed."""
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}[status]
+    head = [b"HTTP/1.1 %d %s" % (status, reason), b"content-type: application/json",
+            b"content-length: %d" % len(body), b"connection: close"]
+    if retry_after:
+        head.append(b"retry-after: 1")
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def _refusing_app(status: int, code: str, message: str):
+    """The same refusal as an ASGI app, for requests whose headers uvicorn has parsed already."""
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close"),
+            (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+class Guard:
+    """The limits, and what the connections of one process hold against them."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.inflight_bytes = 0
+
+
+_guard: Guard | None = None
+
+
+def guard() -> Guard:
+    """This process's guard, from the environment's settings (worker processes make their own)."""
+    global _guard
+    if _guard is None:
+        _guard = Guard(get_settings())
+    return _guard
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.guard = guard()
+        self._awaiting_headers = False
+        self._header_bytes = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._reserved = 0  # body bytes of the current request counted in the budget
+        self._body_bytes = 0
+        self._body_started = 0.0
+        self._body_progress = (0.0, 0)  # (time, bytes) of the last progress
+
+    # --- connections and headers
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.guard.settings.max_open_connections:
+            self._refuse(503, "overloaded", "too many open connections; retry shortly", retry_after=True)
+            return
+        self._expect_headers()
+
+    def _expect_headers(self) -> None:
+        self._awaiting_headers = True
+        self._header_bytes = 0
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.guard.settings.header_timeout_s, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        if self._awaiting_headers and not self.transport.is_closing():
+            # An idle keep-alive connection just closes; one that began a request gets a 408.
+            if self._header_bytes:
+                self._refuse(408, "request_timeout", f"the request's headers did not arrive within "
+                             f"{self.guard.settings.header_timeout_s:g} s (ATTEND_HEADER_TIMEOUT_S)")
+            else:
+                self.transport.close()
+
+    def _refuse(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
+        self._awaiting_headers = False
+        self._cancel_timers()
+        if not self.transport.is_closing():
+            if self.cycle is None or not self.cycle.response_started:
+                self.transport.write(_refusal(status, code, message, retry_after))
+            self.transport.close()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._header_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_headers:
+            self._header_bytes += len(data)
+            super().data_received(data)
+            # Still in the headers after this chunk, and past the limit: refuse before the parser
+            # holds more of them (what it holds is at most the limit plus one read).
+            if self._awaiting_headers and self._header_bytes > self.guard.settings.max_header_bytes:
+                self._refuse(431, "headers_too_large", f"the request's headers are over "
+                             f"{self.guard.settings.max_header_bytes} bytes (ATTEND_MAX_HEADER_BYTES)")
+            return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._awaiting_headers:  # a pipelined request: its headers count from here
+            self._awaiting_headers = True
+            self._header_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_headers = False
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        refusal = self._admission()
+        if refusal is None:
+            super().on_headers_complete()
+            if self.cycle is not None and self._expects_body():
+                self._body_started = self.loop.time()
+                self._body_progress = (self._body_started, 0)
+                self._body_bytes = 0
+                self._body_timer = self.loop.call_later(self.guard.settings.body_timeout_s, self._check_body)
+            return
+        # Answered through uvicorn's cycle, by this refusal instead of the service: the body is never read.
+        app, self.app = self.app, _refusing_app(503, "overloaded", refusal)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
+
+    def _admission(self) -> str | None:
+        """Why the request just parsed is refused for load (None: it is not); a body it is admitted
+        with is counted against the in-flight budget."""
+        if httptools.parse_url(self.url).path in _HEALTH_BYTES:
+            return None  # health probes: never refused for load
+        settings = self.guard.settings
+        if len(self.tasks) >= settings.max_connections:
+            return f"{settings.max_connections} requests are in progress (ATTEND_MAX_CONNECTIONS); retry shortly"
+        length = next((v for k, v in self.headers if k == b"content-length"), None)
+        size = int(length) if length is not None and length.isdigit() else 0
+        if size and size <= settings.max_body_bytes:  # larger ones get their 413 from the app, unread
+            if self.guard.inflight_bytes and self.guard.inflight_bytes + size > settings.max_inflight_bytes:
+                return (f"{self.guard.inflight_bytes} bytes of request bodies are in flight; this one's {size} would "
+                        f"pass ATTEND_MAX_INFLIGHT_BYTES ({settings.max_inflight_bytes}); retry shortly")
+            self._reserve(size)
+        return None
+
+    def _expects_body(self) -> bool:
+        return any(k in (b"content-length", b"transfer-encoding") and v not in (b"0",) for k, v in self.headers)
+
+    # --- bodies
+
+    def _reserve(self, size: int) -> None:
+        self._reserved += size
+        self.guard.inflight_bytes += size
+
+    def _release(self) -> None:
+        self.guard.inflight_bytes -= self._reserved
+        self._reserved = 0
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self._reserved:  # a chunked body: counted as it comes
+            settings = self.guard.settings
+            if self.guard.inflight_bytes + len(body) > settings.max_inflight_bytes:
+                self._refuse(503, "overloaded", "request bodies in flight would pass ATTEND_MAX_INFLIGHT_BYTES "
+                             f"({settings.max_inflight_bytes}); retry shortly", retry_after=True)
+                return
+            self._reserve(len(body))
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    def _check_body(self) -> None:
+        """A body that stalls, or comes slower than the minimum rate, closes its connection. Time
+        the service itself holds the body back (flow control, while the app is busy) does not count."""
+        self._body_timer = None
+        if self.transport.is_closing() or self.cycle is None or not self.cycle.more_body:
+            return
+        settings = self.guard.settings
+        now = self.loop.time()
+        last_time, last_bytes = self._body_progress
+        if self.flow.read_paused:
+            self._body_progress = (now, self._body_bytes)
+        elif self._body_bytes == last_bytes and now - last_time >= settings.body_timeout_s:
+            return self._body_too_slow(f"no byte of the body for {settings.body_timeout_s:g} s "
+                                       "(ATTEND_BODY_TIMEOUT_S)")
+        elif (self._body_bytes / (now - self._body_started) < settings.min_body_rate
+              and now - self._body_started >= settings.body_timeout_s):
+            return self._body_too_slow(f"the body comes at under {settings.min_body_rate} bytes/s "
+                                       "(ATTEND_MIN_BODY_RATE)")
+        if self._body_bytes != last_bytes:
+            self._body_progress = (now, self._body_bytes)
+        self._body_timer = self.loop.call_later(1.0, self._check_body)
+
+    def _body_too_slow(self, why: str) -> None:
+        log.info("closing a connection: %s", why)
+        if self.cycle is not None and not self.cycle.response_started:
+            self.transport.write(_refusal(408, "request_timeout", why))
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        self._release()
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._expect_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn stops accepting connections on SIGTERM and waits for the open ones; this turns
+    readiness off first, so a load balancer's probe and requests already on a kept-alive
+    connection see 503 at once rather than a half-stopped service."""
+
+    def __init__(self, config: uvicorn.Config, app: Any = None):
+        super().__init__(config)
+        self._app = app
+
+    @property
+    def app(self) -> Any:
+        """The service's app: given, or (in a worker) the one uvicorn's factory made."""
+        return self._app if self._app is not None else getattr(self.config, "loaded_app", None)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            state = self.app.state
+            # The requests in progress and the open connections (uvicorn's own sets): the batching
+            # reads how many.
+            state.dataplane.server_tasks = self.server_state.tasks
+            state.scheduler.connections = self.server_state.connections
+            # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
+            # its default action would end the process).
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+            loop = type(asyncio.get_running_loop())
+            log.info("serving on %s/ (the page; API docs: %s/docs); uvicorn on %s.%s with %s",
+                     *[serving_url(self)] * 2, loop.__module__, loop.__qualname__,
+                     self.config.http_protocol_class.__name__)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Readiness is off already. Keep accepting a moment first: connections whose handshake
+        # the kernel finished before the signal wait in the accept queue with their request sent,
+        # and closing the listener would reset them (the event loop may not have had the GIL to
+        # accept them: a large body's decode holds it for ~100 ms).
+        await asyncio.sleep(_ACCEPT_S)
+        # Then stop accepting and, before uvicorn closes every connection that has no request
+        # under way, let the accepted ones have their request parsed, for the same reason.
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        loop = asyncio.get_running_loop()
+        settle_until = loop.time() + _SETTLE_S
+        while loop.time() < settle_until and any(
+            getattr(c, "cycle", None) is None for c in list(self.server_state.connections)
+        ):
+            await asyncio.sleep(0.01)
+        await super().shutdown(sockets)
+        flush_logs()  # uvicorn re-raises the signal next, and a process ended by a signal skips atexit
+
+    def _reload(self) -> None:
+        state = self.app.state
+        if state.ready:
+            log.info("SIGHUP: loading the models whose newest version changed")
+            state.scheduler.spawn(state.control.reload_changed())
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        app = self.app
+        if app is not None and getattr(app.state, "ready", False):
+            log.info("signal %d: not ready; finishing %d requests in flight", sig, app.state.dataplane.in_flight)
+            app.state.ready = False
+            app.state.metrics.ready.set(0)
+        super().handle_exit(sig, frame)
+
+
+def serving_url(server: uvicorn.Server) -> str:
+    """Where a client on this machine reaches the server (the port really bound, when 0 was asked)."""
+    host, port = server.config.host, server.config.port
+    for listener in server.servers:
+        for sock in listener.sockets:
+            host, port = sock.getsockname()[:2]
+            break
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
+    # proxy_headers off: X-Forwarded-For would only rewrite the client address, which nothing here
+    # reads, and its middleware is a layer every request passes. The connection limit is the
+    # guarded protocol's (health probes exempt), not uvicorn's.
+    return {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
+            "proxy_headers": False, "http": GuardedProtocol, "timeout_graceful_shutdown": settings.grace_period_s,
+            "timeout_keep_alive": settings.keep_alive_s, "limit_concurrency": None, "backlog": 4096}
+
+
+def run_workers(settings: Settings) -> None:
+    """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app the factory
+    makes (its own sessions), the metrics of all of them on every /metrics (prometheus_client's
+    multiprocess mode, in a folder of this run's own)."""
+    from uvicorn.supervisors import multiprocess
+
+    metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+
+    class Worker(multiprocess.Process):
+        @property
+        def server(self) -> uvicorn.Server:
+            if self._server is None:
+                self._server = GracefulServer(config=self.config)
+            return self._server
+
+    # uvicorn's supervisor makes its workers with the module's Process: this one runs ours.
+    multiprocess.Process = Worker  # type: ignore[misc]
+    config = uvicorn.Config("service.app:create_app_from_env", factory=True, workers=settings.workers,
+                            **uvicorn_options(settings))
+    try:
+        multiprocess.Multiprocess(config, sockets=[config.bind_socket()]).run()
+    finally:
+        for name in os.listdir(metrics_dir):
+            os.unlink(os.path.join(metrics_dir, name))
+        os.rmdir(metrics_dir)
+
+
+def raise_file_limit() -> None:
+    """Open connections are file descriptors: the soft limit up to the hard one (often 1024 of 1M)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def release_memory_eagerly() -> None:
+    """glibc keeps freed memory in its heaps; large buffers (request bodies, decoded arrays) made
+    the resident size grow for good after a burst. Buffers of 256 KiB and more are mapped on their
+    own instead (returned to the system when freed), and the heaps are trimmed when idle
+    (`trim_memory`). Measured in docs/reliability.md."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD (also stops glibc raising it by itself)
+        libc.mallopt(-1, 1024 * 1024)  # M_TRIM_THRESHOLD
+
+
+def trim_memory() -> None:
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
