@@ -27,6 +27,11 @@ _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 T = TypeVar("T")
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes:
     """/attend's response body: the model, `outputs`, `attention_weights` (null when not asked for,
     or for a model without), and any other output of the model (`P` of the positional encoding)."""
@@ -75,14 +80,18 @@ class Dataplane:
             return decode(body)
 
         future = loop.run_in_executor(self._decoder, decode_unless_late)
+        # However this ends, nobody may be left to read the decode's result: say it is read.
+        future.add_done_callback(_retrieved)
         timeout = deadline - time.monotonic()
-        if timeout <= 0:
-            future.cancel()
-            raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
-        done, _ = await asyncio.wait((future,), timeout=timeout)
-        if not done:
-            future.cancel()  # still queued: never decoded; decoding: its result is dropped
-            raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+        try:
+            if timeout <= 0:
+                raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+            done, _ = await asyncio.wait((future,), timeout=timeout)
+            if not done:
+                raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+        finally:
+            if not future.done():
+                future.cancel()  # still queued: never decoded; decoding: its result is dropped
         return future.result()
 
     async def infer(self, request: Request, deadline: float, encode: Encoder = encode_attend,

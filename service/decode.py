@@ -138,7 +138,10 @@ def parse(body: bytes) -> dict[str, Any]:
         raise InvalidJSON(f"the request body must be a JSON object, got {json_type(document)}")
     keys = list(document.keys())
     _duplicate(keys)
-    return {key: document[key] for key in keys}
+    try:
+        return {key: document[key] for key in keys}
+    except KeyError:  # simdjson cannot look up a key holding a NUL (\u0000) by name
+        return _parse_slowly(body)
 
 
 def _parse_slowly(body: bytes) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import resource
 import signal
 import socket
 import tempfile
+import time
 from types import FrameType
 from typing import Any
 
@@ -173,6 +174,8 @@ class GuardedProtocol(HttpToolsProtocol):
         refusal = self._admission()
         if refusal is None:
             super().on_headers_complete()
+            # When the request arrived, for its deadline: under load its task may start much later.
+            self.scope["extensions"] = {**self.scope.get("extensions", {}), "attend.arrived": time.monotonic()}
             if self.cycle is not None and self._expects_body():
                 self._body_started = self.loop.time()
                 self._body_progress = (self._body_started, 0)

@@ -11,6 +11,7 @@ middleware).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from service.auth import check_api_key
 from service.batching import Encoder
 from service.decode import Request
-from service.errors import ClientGone, InvalidHeader, NotReady, PayloadTooLarge, ServiceError
+from service.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, PayloadTooLarge, ServiceError
 from service.metrics import MULTIPROCESS
 from service.middleware import log_access, new_request_id, request_id
 
@@ -63,7 +64,9 @@ def media_type(headers: dict[bytes, bytes]) -> str | None:
     return None if raw is None else raw.decode("latin-1").split(";")[0].strip().lower()
 
 
-def deadline(headers: dict[bytes, bytes], default_s: float) -> float:
+def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | None = None) -> float:
+    """When the request must be answered: `default_s` (or the client's shorter X-Request-Timeout-Ms)
+    after it arrived (time.monotonic(); now, where the server does not say)."""
     timeout = default_s
     header = headers.get(b"x-request-timeout-ms")
     if header is not None:
@@ -75,7 +78,7 @@ def deadline(headers: dict[bytes, bytes], default_s: float) -> float:
             raise InvalidHeader("X-Request-Timeout-Ms must be a positive number of milliseconds",
                                 field="X-Request-Timeout-Ms", received=header.decode("latin-1")[:100])
         timeout = min(timeout, ms / 1000)
-    return time.monotonic() + timeout
+    return (arrived if arrived is not None else time.monotonic()) + timeout
 
 
 async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON) -> None:
@@ -152,6 +155,27 @@ class InferenceEndpoint:
         await send_body(send, error.status, self.error_body(error), [*headers, *extra])
         return error.status
 
+    async def _read_and_decode(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
+                               until: float) -> tuple[Request, Encoder]:
+        """The body, read and decoded, within the request's deadline: on a loaded server the body of
+        a large request can take seconds to come in, and its decode waits for a thread (past the
+        deadline: 504, and the decode is never started)."""
+        task = asyncio.current_task()
+        assert task is not None
+        timer = asyncio.get_running_loop().call_later(max(until - time.monotonic(), 0), task.cancel)
+        try:
+            body = await read_body(receive, headers, self.settings.max_body_bytes)
+            request = await self.decode(scope, headers, body, until)
+            del body  # decoded: the arrays are what the request holds from here (memory in flight)
+            return request
+        except asyncio.CancelledError:
+            if time.monotonic() < until:
+                raise  # not ours: the server is stopping
+            task.uncancel()
+            raise DeadlineExceeded("the request's deadline passed before its body was read and decoded") from None
+        finally:
+            timer.cancel()
+
     async def _serve(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send,
                      extra: Headers, start: float) -> int:
         """The response's status, once sent (0: the client went away, nothing was sent)."""
@@ -173,9 +197,8 @@ class InferenceEndpoint:
                 check_api_key(headers.get(b"authorization"), self.api_keys)
             self.check_media_type(headers)
             settings = self.settings
-            until = deadline(headers, settings.request_timeout_s)
-            body = await read_body(receive, headers, settings.max_body_bytes)
-            request, encode = await self.decode(scope, headers, body, until)
+            until = deadline(headers, settings.request_timeout_s, scope.get("extensions", {}).get("attend.arrived"))
+            request, encode = await self._read_and_decode(scope, headers, receive, until)
             model = request.model.name
             content = await dataplane.infer(request, until, encode, disconnect_probe(receive))
         except ServiceError as e:

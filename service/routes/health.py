@@ -18,12 +18,22 @@ async def live() -> dict[str, str]:
     return {"status": "alive"}
 
 
+def check_ready(state: object) -> None:
+    """Ready: started, not stopping, and every model that should be served is (one that could not
+    be loaded at start, kept out by ATTEND_SKIP_BROKEN_MODELS, is not; one unloaded on purpose does
+    not count). Raises NotReady saying why."""
+    if not state.ready:  # type: ignore[attr-defined]
+        raise NotReady("not ready", headers={"Retry-After": "1"})
+    broken = state.registry.broken  # type: ignore[attr-defined]
+    if broken:
+        raise NotReady(f"not ready: model(s) {', '.join(sorted(broken))} could not be loaded (GET /models says why)")
+
+
 @router.get("/health/ready", responses=error_responses(503),
-            summary="Every model is loaded and warmed up (503 until then, and while stopping)")
+            summary="Every model is loaded and warmed up (503 until then, while one is missing, and while stopping)")
 async def ready(request: Request) -> dict[str, object]:
     state = request.app.state
-    if not state.ready:
-        raise NotReady("not ready", headers={"Retry-After": "1"})
+    check_ready(state)
     return {"status": "ready", "models": state.registry.names()}
 
 

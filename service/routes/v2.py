@@ -36,12 +36,12 @@ from service.errors import (
     InvalidJSON,
     ModelNotFound,
     ModelUnavailable,
-    NotReady,
     PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
 )
 from service.routes.endpoint import JSON, Headers, InferenceEndpoint, media_type
+from service.routes.health import check_ready
 from service.runtime import LoadedModel, Registry
 from service.schemas import protocol_errors
 
@@ -138,8 +138,7 @@ async def live() -> Response:
 
 @health_router.get("/health/ready", summary="Every model is loaded and warmed up", responses=protocol_errors(503))
 async def ready(request: Request) -> Response:
-    if not request.app.state.ready:
-        raise NotReady("not ready", headers={"Retry-After": "1"})
+    check_ready(request.app.state)
     return _json({"ready": True})
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -350,3 +351,60 @@ async def test_a_deadline_passing_in_the_queue_is_504_at_the_deadline(settings):
         sent = await _asgi(app, body)
         assert sent[0]["status"] == 200
         assert app.state.metrics.batch_requests.labels("additive")._sum.get() == 1  # the late one never ran
+
+
+@pytest.mark.anyio
+async def test_a_deadline_passing_while_the_decode_thread_is_busy_is_504_and_never_decoded(settings):
+    """A body large enough for the decode thread, the thread busy: 504 at the deadline, and when the
+    thread comes free the decode is not started."""
+    small = settings.model_copy(update={"inline_decode_bytes": 100, "inference_threads": 1})
+    async with _started(small) as app:
+        dataplane = app.state.dataplane
+        decoded = []
+        original = dataplane.decode
+        dataplane.decode = lambda body: decoded.append(len(body)) or original(body)
+        release = threading.Event()
+        dataplane._decoder.submit(release.wait)  # the one decode thread, busy
+        body = json.dumps(toy_request()).encode()
+        start = time.monotonic()
+        sent = await _asgi(app, body, headers=[(b"x-request-timeout-ms", b"300")])
+        assert sent[0]["status"] == 504 and 0.25 < time.monotonic() - start < 1.0
+        release.set()
+        await asyncio.sleep(0.3)
+        assert decoded == []  # its turn came after its deadline: never decoded
+        assert (await _asgi(app, body))[0]["status"] == 200 and decoded == [len(body)]
+
+
+@pytest.mark.anyio
+async def test_a_deadline_passing_while_the_body_comes_in_is_504(settings):
+    async with _started(settings) as app:
+        async def slowly():
+            await asyncio.sleep(3600)  # the rest of the body never comes
+
+        body = json.dumps(toy_request()).encode()
+        start = time.monotonic()
+        sent = await _asgi_partial(app, body[:50], slowly, headers=[(b"x-request-timeout-ms", b"300")])
+        assert sent[0]["status"] == 504 and 0.25 < time.monotonic() - start < 1.0
+        assert json.loads(sent[1]["body"])["error"]["code"] == "deadline_exceeded"
+
+
+async def _asgi_partial(app, first, then, headers=()):
+    """A request whose body starts with `first` and whose next chunk comes from `then`."""
+    sent = []
+    chunks = iter([{"type": "http.request", "body": first, "more_body": True}])
+
+    async def receive():
+        try:
+            return next(chunks)
+        except StopIteration:
+            return await then()
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/attend", "raw_path": b"/attend", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80), "state": {}}
+    await app(scope, receive, send)
+    return sent
