@@ -12,7 +12,8 @@ TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))
 PIP_TOOLS := pip-tools==7.6.2
 LINT := $(PY) -m ruff check models export service tests bench scripts
 
-.PHONY: install check-lock lock export serve test lint bench load soak membound container-lint compose-smoke
+.PHONY: install install-ray check-lock lock export serve test test-ray lint bench bench-ray load soak membound \
+	container-lint compose-smoke deploy-lint
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
 	@$(PYTHON) scripts/lock.py check
@@ -25,6 +26,14 @@ $(VENV)/.installed: requirements.lock
 	@touch $@
 
 install: check-lock $(VENV)/.installed  ## the venv: runtime, exporter, tests and locust, at the locked versions
+
+# The ray extra (~600 MB installed) joins the same venv only for what needs it; again after every new lock.
+$(VENV)/.installed-ray: $(VENV)/.installed
+	$(PY) scripts/lock.py requirements ray >$(VENV)/requirements-ray.txt
+	$(PY) -m pip install -q -c requirements.lock -r $(VENV)/requirements-ray.txt
+	@touch $@
+
+install-ray: install $(VENV)/.installed-ray  ## the venv plus Ray Serve (the ray extra), at the locked versions
 
 lock:  ## resolve every dependency of every extra again (after editing pyproject.toml) into requirements.lock
 	@test -x $(VENV)-lock/bin/pip-compile || ($(PYTHON) -m venv $(VENV)-lock && $(VENV)-lock/bin/pip install -q $(PIP_TOOLS))
@@ -42,9 +51,12 @@ $(REPOSITORY):
 serve: install $(REPOSITORY)  ## install, export the default repository if absent, serve it on :8000
 	ATTEND_MODEL_REPOSITORY=$(REPOSITORY) $(PY) -m service
 
-test: install  ## lint, then the whole suite, as CI runs it
+test: install  ## lint, then the whole suite but the Ray tests, as CI runs it
 	$(LINT)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not ray"
+
+test-ray: install-ray  ## the Ray Serve tests (a local Ray cluster; `ray stop` afterwards)
+	$(PY) -m pytest -m ray
 
 lint: install
 	$(LINT)
