@@ -77,5 +77,8 @@ membound: install $(REPOSITORY)  ## peak memory of the largest requests the defa
 container-lint:  ## hadolint, docker compose config (every profile), shellcheck; no container engine needed
 	bash tests/container/lint.sh
 
+deploy-lint:  ## deploy/kubernetes against Kubernetes' schemas (kubernetes-validate, offline) and the service's settings
+	bash tests/deploy/lint.sh
+
 compose-smoke:  ## (root) build and run the CPU compose stack on a private dockerd: POST /attend, locust, down
 	bash tests/container/smoke.sh
