@@ -65,6 +65,10 @@ bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
 
+bench-ray: install-ray $(REPOSITORY)  ## python -m service against Ray Serve (1 and 2 replicas, each ingress mode)
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(PY) bench/ray_serve.py --duration 5 --repeat 3
+
 load: install  ## locust, headless, 1 minute, against a service already running on :8000
 	$(PY) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary
 
