@@ -6,7 +6,10 @@ with one and two replicas, through each of Serve's ingress modes. Needs the ray 
 Modes (each a fresh local Ray, started with the mode's environment; Serve reads these at import):
 - proxy:   Serve's default, its Python proxy actor in front of the replicas
 - haproxy: RAY_SERVE_ENABLE_HA_PROXY=1, HAProxy in front, the replicas' own HTTP servers behind it (new in 2.60)
-- direct:  RAY_SERVE_THROUGHPUT_OPTIMIZED=1, the replicas' own HTTP servers on the port (direct ingress)
+- direct:  RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress and more), wrk sent straight to the one replica's
+           own HTTP server (a port Serve allocates; the proxy still listens on Serve's port, and is what a
+           client there gets). With more replicas a balancer of one's own must spread clients over their
+           ports: HAProxy mode is that, so direct is measured with one replica only.
 
 bench/run.py's conventions: every server (`python -m service`, or the whole Ray cluster: GCS, raylet,
 controller, proxy, replicas) pinned to core 0, one ONNX Runtime thread a replica, access log at info;
@@ -97,6 +100,22 @@ class RayServer:
         return time.monotonic() - start
 
 
+def replica_port(pid: int) -> int:
+    """The HTTP port of the server's one replica under direct ingress: of the replica process's listening
+    sockets (Ray's own RPC ports among them), the one where GET /health/live answers 200."""
+    import httpx
+
+    (replica,) = [p for p in tree(pid) if "ServeReplica" in " ".join(p.cmdline())]
+    for conn in replica.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            try:
+                if httpx.get(f"http://127.0.0.1:{conn.laddr.port}/health/live", timeout=1).status_code == 200:
+                    return conn.laddr.port
+            except httpx.HTTPError:
+                pass
+    raise RuntimeError("no replica port answers /health/live")
+
+
 def tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
@@ -160,7 +179,8 @@ def main() -> int:
         (tmp / f"{name}.json").write_text(json.dumps(body))
     concurrency = [int(c) for c in args.concurrency.split(",")]
     replica_counts = [int(r) for r in args.replicas.split(",")]
-    servers = [("service", 1)] + [(m, r) for m in args.modes.split(",") for r in replica_counts]
+    servers = [("service", 1)] + [(m, r) for m in args.modes.split(",")
+                                   for r in (replica_counts if m != "direct" else [1])]
     measured: dict[tuple, list[dict]] = {}
     memory: dict[tuple, list[tuple[float, float]]] = {}
     timings: dict[str, list[str]] = {}
@@ -187,10 +207,11 @@ def main() -> int:
                 continue
             server = RayServer(kind, args.repository)
             try:
-                for replicas in replica_counts:
+                for replicas in replica_counts if kind != "direct" else [1]:
                     took = server.deploy(replicas)
                     timings.setdefault(kind, []).append(f"serve.run {replicas}: {took:.1f} s")
-                    points((kind, replicas), server.port, server.proc.pid)
+                    port = replica_port(server.proc.pid) if kind == "direct" else server.port
+                    points((kind, replicas), port, server.proc.pid)
             finally:
                 timings.setdefault(kind, []).append(f"stop {server.stop():.1f} s")
     shutil.rmtree(tmp)
@@ -199,7 +220,7 @@ def main() -> int:
             for k, runs in measured.items()}
     labels = {"service": "`python -m service`", "proxy": "Serve, proxy (default)",
               "haproxy": "Serve, HAProxy (`RAY_SERVE_ENABLE_HA_PROXY=1`)",
-              "direct": "Serve, direct ingress (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`)"}
+              "direct": "Serve, direct ingress: the replica's port (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`)"}
     lines = ["| workload | concurrency | server | replicas | req/s | p50 ms | p99 ms | CPU us / request | errors | "
              "x service |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in work:
