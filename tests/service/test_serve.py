@@ -165,7 +165,7 @@ def test_errors_and_routes_are_the_apps(serve_url, in_process):
         assert "attend_ready 1.0" in metrics
 
 
-def test_a_killed_replica_is_replaced_and_every_request_answered(serve_url, repository):
+def test_a_killed_replica_is_replaced_and_every_request_answered(serve_url, repository, capsys):
     """Eight clients send the book's toy request without pause; one replica's process is killed (SIGKILL)
     under them. Serve starts another, and every request ends with its right answer. A client may retry
     a 503, and a 500 that is Serve's own (plain text, no JSON: the request was inside the killed
@@ -218,9 +218,11 @@ def test_a_killed_replica_is_replaced_and_every_request_answered(serve_url, repo
         stop.set()
         for thread in threads:
             thread.join(timeout=90)
-    print(f"\nkilled replica pid {victim}; replaced after {replaced_s:.1f} s; {answered['200']} requests answered "
-          f"200 ({served_before_kill} before the kill); retries: {dict(retries) or 'none'}")
+    with capsys.disabled():  # the figures, in CI's log too
+        print(f"\nkilled replica pid {victim}; replaced after {replaced_s:.1f} s; {answered['200']} requests "
+              f"answered 200 ({served_before_kill} before the kill); retries: {dict(retries) or 'none'}")
     assert not failures, failures[:5]
     assert len(after) == 2 and victim not in after.values(), f"not replaced within 120 s: {after}"
     assert answered["200"] > served_before_kill > 0
-    assert sum(retries.values()) <= 16, retries  # only the requests caught inside the killed process
+    # Serve's 500s: only requests caught inside the killed process, at most one a client.
+    assert sum(n for reason, n in retries.items() if reason.startswith("500")) <= len(threads), retries
