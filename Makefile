@@ -12,7 +12,8 @@ TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))
 PIP_TOOLS := pip-tools==7.6.2
 LINT := $(PY) -m ruff check models export service tests bench scripts
 
-.PHONY: install check-lock lock export serve test lint browser bench perf-analyzer load soak membound container-lint compose-smoke
+.PHONY: install install-ray check-lock lock export serve test test-ray lint browser bench bench-ray \
+	perf-analyzer load soak membound container-lint compose-smoke deploy-lint
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
 	@$(PYTHON) scripts/lock.py check
@@ -25,6 +26,14 @@ $(VENV)/.installed: requirements.lock
 	@touch $@
 
 install: check-lock $(VENV)/.installed  ## the venv: runtime, exporter, tests and locust, at the locked versions
+
+# The ray extra (~600 MB installed) joins the same venv only for what needs it; again after every new lock.
+$(VENV)/.installed-ray: $(VENV)/.installed
+	$(PY) scripts/lock.py requirements ray >$(VENV)/requirements-ray.txt
+	$(PY) -m pip install -q -c requirements.lock -r $(VENV)/requirements-ray.txt
+	@touch $@
+
+install-ray: install $(VENV)/.installed-ray  ## the venv plus Ray Serve (the ray extra), at the locked versions
 
 lock:  ## resolve every dependency of every extra again (after editing pyproject.toml) into requirements.lock
 	@test -x $(VENV)-lock/bin/pip-compile || ($(PYTHON) -m venv $(VENV)-lock && $(VENV)-lock/bin/pip install -q $(PIP_TOOLS))
@@ -48,9 +57,12 @@ browser:  ## Debian's chromium for the page's browser tests, unless it is there 
 	@test -x $(CHROMIUM) || [ "$$ATTEND_SKIP_BROWSER" = 1 ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-test: install browser  ## lint, then the whole suite, as CI runs it (the page's tests in chromium included)
+test: install browser  ## lint, then the whole suite but the Ray tests, as CI runs it (the page's tests in chromium included)
 	$(LINT)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not ray"
+
+test-ray: install-ray  ## the Ray Serve tests (a local Ray cluster; `ray stop` afterwards)
+	$(PY) -m pytest -m ray
 
 lint: install
 	$(LINT)
@@ -61,6 +73,10 @@ bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit
 
 perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (binary tensors, W2, a concurrency sweep)
 	bash bench/perf_analyzer.sh --concurrency "1 2 4 8 16" --seconds 5
+
+bench-ray: install-ray $(REPOSITORY)  ## python -m service against Ray Serve (1 and 2 replicas, each ingress mode)
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(PY) bench/ray_serve.py --duration 5 --repeat 3
 
 load: install  ## locust, headless, 1 minute, against a service already running on :8000
 	$(PY) -m locust -f tests/load/locustfile.py --headless -u 16 -r 16 -t 60s --host http://127.0.0.1:8000 --only-summary
@@ -73,6 +89,9 @@ membound: install $(REPOSITORY)  ## peak memory of the largest requests the defa
 
 container-lint:  ## hadolint, docker compose config (every profile), shellcheck; no container engine needed
 	bash tests/container/lint.sh
+
+deploy-lint:  ## deploy/kubernetes against Kubernetes' schemas (kubernetes-validate, offline) and the service's settings
+	bash tests/deploy/lint.sh
 
 compose-smoke:  ## (root) build and run the CPU compose stack on a private dockerd: POST /attend, locust, down
 	bash tests/container/smoke.sh

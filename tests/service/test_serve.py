@@ -1,0 +1,228 @@
+"""The service on Ray Serve (service/serve.py): a real local Ray, a real Serve proxy on a free port, two
+replicas. The same numbers, errors and routes as the app in-process; a replica killed under load is
+replaced and every request is answered. `make test-ray` (the ray extra); `make test` leaves these out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.config import Settings
+from service.dataplane import Dataplane
+from service.metrics import Metrics
+from service.runtime import Registry
+from service.schemas import toy_request
+from tests.server import ROOT, free_port
+from tests.service.test_bad_input import CASES
+from tests.service.test_batching import assert_same, mixed_bodies
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+
+KINDS = ("dot_product", "additive", "multi_head", "self_attention")
+CONFIGS = [ROOT / "deploy" / "ray" / "serve.yaml", ROOT / "deploy" / "ray" / "cluster.yaml"]
+
+
+@pytest.fixture(scope="module")
+def serve_url(repository):
+    """Serve with two replicas of the deployment of deploy/ray/serve.yaml, its ATTEND_* settings pointing
+    at the test repository; the local Ray is shut down afterwards (nothing left running)."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from service.serve import Attend
+
+    deployment = yaml.safe_load(CONFIGS[0].read_text())["applications"][0]["deployments"][0]
+    env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"}
+    port = free_port()
+    # Ray puts the driver's working directory on its workers' sys.path: the replicas import `service` from here.
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        # Before serve.run: a later serve.start's options are ignored.
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = {k: deployment[k] for k in ("max_ongoing_requests", "max_queued_requests",
+                                              "graceful_shutdown_timeout_s")}
+        serve.run(Attend.options(num_replicas=2, ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": env}},
+                                 **options).bind(), name="attend", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def in_process(repository):
+    """The same app in this process (TestClient runs its lifespan): the reference for errors and routes."""
+    settings = Settings(model_repository=repository, device="cpu", intra_op_threads=1)
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def replica_pids() -> dict[str, int]:
+    """Serve's replica actors (by name) and their process IDs, asked of each actor itself."""
+    import ray
+
+    pids = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::"):
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            pids[actor["name"]] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    return pids
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    return serve.status().applications["attend"].deployments["Attend"].replica_states.get("RUNNING", 0)
+
+
+def book_examples() -> list[bytes]:
+    """The book's printed examples: the toy additive and dot-product requests, multi-head, self-attention."""
+    X = np.ones((2, 4, 100)).tolist()
+    dot = toy_request() | {"model": "dot_product",
+                           "queries": np.random.default_rng(1).normal(size=(2, 1, 2)).tolist()}
+    examples = [toy_request(), dot, {"model": "multi_head", "queries": X, "keys": X, "values": X, "valid_lens": [3, 2]},
+                {"model": "self_attention", "queries": np.random.default_rng(0).normal(size=(2, 6, 100)).tolist(),
+                 "valid_lens": [[6] * 6, [2] * 6]}]
+    return [json.dumps(e).encode() for e in examples]
+
+
+def test_the_config_files_are_valid_serve_configs():
+    """deploy/ray's files (and the RayService's serveConfigV2) parse as Serve's own schema, and deploy this
+    module's deployment with the options it is sized for."""
+    pytest.importorskip("ray")
+    from ray.serve.schema import ServeDeploySchema
+
+    from service import serve as module
+
+    service = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "rayservice.yaml").read_text())
+    configs = [yaml.safe_load(p.read_text()) for p in CONFIGS] + [yaml.safe_load(service["spec"]["serveConfigV2"])]
+    for config in configs:
+        schema = ServeDeploySchema.model_validate(config)
+        (app,) = schema.applications
+        assert app.import_path == "service.serve:app" and app.route_prefix == "/"
+        (deployment,) = app.deployments
+        assert deployment.name == module.Attend.name
+        assert deployment.max_ongoing_requests == module.MAX_ONGOING
+        assert deployment.max_queued_requests == module.MAX_QUEUED
+        assert deployment.graceful_shutdown_timeout_s == module.GRACE_S == Settings().grace_period_s
+        assert deployment.ray_actor_options.num_cpus == 1
+        assert set(app.runtime_env["env_vars"]) >= {"ATTEND_MODEL_REPOSITORY", "ATTEND_DEVICE"}
+
+
+def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repository):
+    """The book's examples and random shapes of every kind (every valid-lengths form), 16 at once so that
+    the replicas merge them: each answer is its own unbatched in-process answer (1e-5, masks exact)."""
+    alone = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
+    bodies = book_examples() + [b for kind in KINDS for b in mixed_bodies(kind, 16, seed=23)]
+    with httpx.Client(base_url=serve_url, timeout=60, limits=httpx.Limits(max_connections=16)) as http:
+        def send(body: bytes) -> httpx.Response:
+            return http.post("/attend", content=body, headers={"content-type": "application/json"})
+
+        with ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(send, bodies))
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.status_code == 200, response.text
+        assert_same(response.content, alone.attend(body))
+    toy = json.loads(responses[0].content)
+    np.testing.assert_allclose(toy["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
+
+
+def test_errors_and_routes_are_the_apps(serve_url, in_process):
+    """Every case of the bad-input table gets the status and the whole error body the app gives in-process;
+    the health, model and metrics routes answer as the app's; one X-Request-ID, the client's."""
+    with httpx.Client(base_url=serve_url, timeout=60) as http:
+        for name, body, status, *_ in CASES:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            headers = {"content-type": "application/json"}
+            got = http.post("/attend", content=content, headers=headers)
+            want = in_process.post("/attend", content=content, headers=headers)
+            assert (got.status_code, got.json()) == (want.status_code, want.json()) == (status, want.json()), name
+        for path in ("/health/live", "/health/ready", "/models", "/models/multi_head"):
+            got = http.get(path)
+            assert (got.status_code, got.json()) == (200, in_process.get(path).json()), path
+        assert http.get("/models/nope").json() == in_process.get("/models/nope").json()
+        response = http.post("/attend", json=toy_request(), headers={"x-request-id": "trace-7"})
+        assert response.headers.get_list("x-request-id") == ["trace-7"]
+        metrics = http.get("/metrics").text  # one replica's registry: whichever Serve picked
+        assert 'attend_requests_total{model="additive",status="200"}' in metrics
+        assert "attend_ready 1.0" in metrics
+
+
+def test_a_killed_replica_is_replaced_and_every_request_answered(serve_url, repository, capsys):
+    """Eight clients send the book's toy request without pause; one replica's process is killed (SIGKILL)
+    under them. Serve starts another, and every request ends with its right answer. A client may retry
+    a 503, and a 500 that is Serve's own (plain text, no JSON: the request was inside the killed
+    process); the app's own 500 (JSON) never comes, nor any other status."""
+    body = json.dumps(toy_request()).encode()
+    want = Dataplane(Registry.load(repository, "cpu", 1), Metrics()).attend(body)
+    before = replica_pids()
+    assert len(before) == 2
+    answered, retries, failures = Counter(), Counter(), []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=serve_url, timeout=60) as http:
+            while not stop.is_set():
+                for _attempt in range(20):
+                    response = http.post("/attend", content=body, headers={"content-type": "application/json"})
+                    serve_500 = response.status_code == 500 and not response.headers.get(
+                        "content-type", "").startswith("application/json")
+                    if response.status_code == 503 or serve_500:
+                        retries[f"{response.status_code} {response.text[:40]!r}"] += 1
+                        time.sleep(0.05)
+                        continue
+                    if response.status_code != 200:
+                        failures.append((response.status_code, response.text[:200]))
+                    else:
+                        assert_same(response.content, want)
+                        answered["200"] += 1
+                    break
+                else:
+                    failures.append(("gave up after 20 attempts", response.status_code))
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2)  # steady load first
+        served_before_kill = answered["200"]
+        victim = next(iter(before.values()))
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        deadline = killed_at + 120
+        while time.monotonic() < deadline:
+            after = replica_pids() if running_replicas() == 2 else {}
+            if len(after) == 2 and victim not in after.values():
+                break
+            time.sleep(0.5)
+        replaced_s = time.monotonic() - killed_at
+        time.sleep(2)  # and load on the two replicas again
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=90)
+    with capsys.disabled():  # the figures, in CI's log too
+        print(f"\nkilled replica pid {victim}; replaced after {replaced_s:.1f} s; {answered['200']} requests "
+              f"answered 200 ({served_before_kill} before the kill); retries: {dict(retries) or 'none'}")
+    assert not failures, failures[:5]
+    assert len(after) == 2 and victim not in after.values(), f"not replaced within 120 s: {after}"
+    assert answered["200"] > served_before_kill > 0
+    # Serve's 500s: only requests caught inside the killed process, at most one a client.
+    assert sum(n for reason, n in retries.items() if reason.startswith("500")) <= len(threads), retries
