@@ -67,6 +67,10 @@ class Metrics:
         self.client_gone = Counter("attend_client_gone", "Requests whose client went away before the answer "
                                    "(also counted as status 499 in attend_requests_total)", ["model"],
                                    registry=self.registry)
+        # With workers, which of them served what (a pid label each; a stopped worker's leaves).
+        self.worker_served = Gauge("attend_worker_served", "Inference requests this worker answered 200 "
+                                   "(pid label; only with ATTEND_WORKERS > 1)", registry=self.registry,
+                                   multiprocess_mode="liveall") if MULTIPROCESS else None
         self._models: dict[str, ModelMetrics] = {}
 
     def exposition(self) -> bytes:

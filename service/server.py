@@ -39,6 +39,7 @@ import httptools
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.supervisors import multiprocess
 
 from service.config import Settings, get_settings
 from service.middleware import flush_logs
@@ -366,28 +367,67 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
             "timeout_keep_alive": settings.keep_alive_s, "limit_concurrency": None, "backlog": 4096}
 
 
+class Worker(multiprocess.Process):
+    """A worker of ATTEND_WORKERS: a GracefulServer (module level: the spawned process unpickles it)."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            self._server = GracefulServer(config=self.config)
+        return self._server
+
+
+class Supervisor(multiprocess.Multiprocess):
+    """uvicorn's supervisor handles a signal in its loop, up to 0.5 s later, and keeps the
+    listening socket open until it exits: the kernel kept completing connections that no worker
+    would accept, and reset them at the end (requests sent just after SIGTERM were dropped). Here
+    SIGTERM and SIGINT reach the workers at once, as SIGTERM: each turns readiness off, keeps
+    accepting for a moment, then closes its copy; the supervisor closes its own copy at once.
+    SIGHUP goes to the workers too: each loads what changed (uvicorn's default restarts them all)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._stopping = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+
+    def _stop(self, sig: int, frame: FrameType | None) -> None:
+        if not self._stopping:
+            self._stopping = True
+            # SIGTERM even for SIGINT: a terminal's Ctrl-C reaches the workers as well, and a
+            # second SIGINT makes uvicorn end at once, in-flight requests with it.
+            self._forward(signal.SIGTERM)
+            for sock in self.sockets:
+                sock.close()
+        self.should_exit.set()
+
+    def _forward(self, sig: int) -> None:
+        for process in self.processes:
+            if process.process.exitcode is None and process.process.pid is not None:
+                os.kill(process.process.pid, sig)
+
+    def terminate_all(self) -> None:
+        if not self._stopping:  # the loop ended otherwise (a worker that failed to start)
+            super().terminate_all()
+
+    def handle_hup(self) -> None:
+        log.info("SIGHUP: passed to %d workers", len(self.processes))
+        self._forward(signal.SIGHUP)
+
+
 def run_workers(settings: Settings) -> None:
     """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app the factory
     makes (its own sessions), the metrics of all of them on every /metrics (prometheus_client's
     multiprocess mode, in a folder of this run's own)."""
-    from uvicorn.supervisors import multiprocess
-
     metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-
-    class Worker(multiprocess.Process):
-        @property
-        def server(self) -> uvicorn.Server:
-            if self._server is None:
-                self._server = GracefulServer(config=self.config)
-            return self._server
 
     # uvicorn's supervisor makes its workers with the module's Process: this one runs ours.
     multiprocess.Process = Worker  # type: ignore[misc]
     config = uvicorn.Config("service.app:create_app_from_env", factory=True, workers=settings.workers,
                             **uvicorn_options(settings))
     try:
-        multiprocess.Multiprocess(config, sockets=[config.bind_socket()]).run()
+        Supervisor(config, sockets=[config.bind_socket()]).run()
     finally:
         for name in os.listdir(metrics_dir):
             os.unlink(os.path.join(metrics_dir, name))

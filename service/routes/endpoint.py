@@ -217,6 +217,8 @@ class InferenceEndpoint:
                 metrics.in_flight.dec()
         children = metrics.model(model)
         children.status(200).inc()
+        if MULTIPROCESS:
+            metrics.worker_served.inc()
         children.latency.observe(time.perf_counter() - start)
         body, more, content_type = self.response(content)
         await send_body(send, 200, body, [*extra, *more] if more else extra, content_type)

@@ -1,0 +1,120 @@
+"""ATTEND_WORKERS=2 is not second-class: /metrics counts every worker, the access log is there, SIGHUP
+reaches the workers, and SIGTERM under load drops nothing (readiness off at the signal)."""
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from service.schemas import toy_request
+from tests.server import running_service
+
+pytestmark = pytest.mark.slow
+
+TOY = json.dumps(toy_request())
+JSON = {"content-type": "application/json"}
+
+
+def counter(metrics: str, name: str, **labels: str) -> float:
+    """The sample of `name` with these labels (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def worker_pids(url: str) -> set[int]:
+    """The live workers: each has its own attend_worker_served, labelled by pid."""
+    text = httpx.get(f"{url}/metrics").text
+    return {int(p) for p in re.findall(r'^attend_worker_served\{pid="(\d+)"\}', text, re.M)}
+
+
+def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
+    log_path = tmp_path / "service.log"
+    n = 120
+    with running_service(repository, log_path=log_path, ATTEND_WORKERS="2", ATTEND_LOG_LEVEL="info",
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_GRACE_PERIOD_S="60") as (url, proc):
+        # Both workers up (the supervisor starts them one after the other).
+        deadline = time.monotonic() + 60
+        while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(worker_pids(url)) == 2
+
+        for _ in range(n):  # a new connection each: the kernel spreads them over both workers
+            r = httpx.post(f"{url}/attend", content=TOY, headers=JSON)
+            assert r.status_code == 200
+        # Every scrape, whichever worker answers it, counts all of them (not one worker's share).
+        scrapes = [httpx.get(f"{url}/metrics").text for _ in range(10)]
+        totals = {counter(m, "attend_requests_total", model="additive", status="200") for m in scrapes}
+        assert totals == {float(n)}, totals
+        served = [counter(m, "attend_worker_served", pid=str(pid))
+                  for m in scrapes[:1] for pid in worker_pids(url)]
+        assert sum(served) == n and all(s > 0 for s in served), served  # both workers served some
+
+        # SIGHUP: each worker loads what changed (nothing here) and keeps serving, pids unchanged.
+        pids = worker_pids(url)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None and worker_pids(url) == pids
+        assert httpx.post(f"{url}/attend", content=TOY, headers=JSON).status_code == 200
+
+        # SIGTERM under load: heavy requests in flight on both workers, and clients that keep sending
+        # after the signal. Each request is answered, or its connection refused; none is accepted and
+        # then dropped.
+        rng = np.random.default_rng(0)
+        heavy = json.dumps({"model": "dot_product", "queries": rng.normal(size=(8, 256, 64)).tolist(),
+                            "keys": rng.normal(size=(8, 256, 64)).tolist(),
+                            "values": rng.normal(size=(8, 256, 64)).tolist()})
+        results: list = []
+        stop_sending = threading.Event()
+
+        def send(body, shape, repeat):
+            while True:
+                sent = time.monotonic()
+                try:
+                    r = httpx.post(f"{url}/attend", content=body, headers=JSON, timeout=60)
+                    results.append((r.status_code, sent, np.shape(r.json().get("outputs"))))
+                except httpx.ConnectError:
+                    results.append(("refused", sent, None))
+                except httpx.HTTPError as e:
+                    results.append((type(e).__name__, sent, None))
+                if not repeat or stop_sending.is_set():
+                    return
+
+        threads = [threading.Thread(target=send, args=(heavy, (8, 256, 64), False)) for _ in range(12)]
+        threads += [threading.Thread(target=send, args=(TOY, (2, 1, 4), True)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if counter(httpx.get(f"{url}/metrics").text, "attend_requests_in_flight") >= 4:
+                break
+            time.sleep(0.02)
+        sigterm_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        ready = httpx.get(f"{url}/health/ready", timeout=5)  # a new connection, while still accepting
+        assert ready.status_code == 503, ready.text
+        time.sleep(1.5)
+        stop_sending.set()
+        for t in threads:
+            t.join(timeout=60)
+        code = proc.wait(timeout=60)
+
+    statuses = {r[0] for r in results}
+    assert statuses <= {200, "refused"}, [r for r in results if r[0] not in (200, "refused")]
+    answered_after = sum(r[0] == 200 and r[1] > sigterm_at for r in results)
+    assert answered_after >= 1  # requests sent after the signal were served, not dropped
+    assert sum(r[0] == 200 and r[2] == (8, 256, 64) for r in results) == 12  # every heavy one answered
+    assert code in (0, -signal.SIGTERM)
+
+    log = log_path.read_text()
+    access = re.findall(r"POST /attend 200 ", log)
+    assert len(access) >= n + 1 + 12, len(access)  # the access log of both workers
+    assert "Traceback" not in log
