@@ -1,0 +1,227 @@
+"""The figures of docs/reliability.md's "Hostile clients and overload": each attack of
+tests/service/test_overload.py against a fresh `python -m service` (default settings unless named),
+measured and printed as a table. The tests assert the bounds; this prints what was measured.
+
+    python tests/load/hostile.py [--skip-burst]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.server import running_service  # noqa: E402
+from tests.service.test_overload import TOY, _send_quietly, connect, read_response, rss_mb  # noqa: E402
+
+ROWS: list[tuple[str, str, str]] = []
+
+
+def row(attack: str, figure: str, value: str) -> None:
+    ROWS.append((attack, figure, value))
+    print(f"  {attack}: {figure} = {value}", file=sys.stderr)
+
+
+def timed(method: str, url: str, body: bytes | None = None) -> tuple[int, float]:
+    start = time.monotonic()
+    r = httpx.request(method, url, content=body, timeout=30, headers={"content-type": "application/json"})
+    return r.status_code, 1e3 * (time.monotonic() - start)
+
+
+def connections(repository: Path) -> None:
+    attack = "1000 connections: 700 idle, 300 with a header begun (`ATTEND_HEADER_TIMEOUT_S=3`)"
+    with running_service(repository, ATTEND_HEADER_TIMEOUT_S="3") as (url, _):
+        idle = [connect(url) for _ in range(700)]
+        slow = [connect(url) for _ in range(300)]
+        for s in slow:
+            s.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\n")
+        for name, method, path, body in (("GET /health/live", "GET", "/health/live", None),
+                                         ("GET /health/ready", "GET", "/health/ready", None),
+                                         ("POST /attend (toy)", "POST", "/attend", TOY)):
+            status, ms = timed(method, f"{url}{path}", body)
+            row(attack, f"{name} on a new connection", f"{status} in {ms:.1f} ms")
+        time.sleep(3.5)
+        got = [read_response(s, timeout=5)[0] for s in slow]
+        closed = sum(s.recv(1, socket.MSG_PEEK) == b"" for s in idle)
+        row(attack, "after 3.5 s: begun headers answered 408 (JSON) and closed", f"{got.count(408)} of 300")
+        row(attack, "after 3.5 s: idle connections closed by the server", f"{closed} of 700")
+        for s in idle + slow:
+            s.close()
+
+
+def headers(repository: Path) -> None:
+    attack = "20 connections each sending a 50 MiB header"
+    with running_service(repository) as (url, proc):
+        before = rss_mb(proc.pid)
+        chunk = b"X-Big: " + b"a" * (1024 * 1024 - 9) + b"\r\n"
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak.append(rss_mb(proc.pid))
+                time.sleep(0.02)
+
+        def send(_):
+            sock = connect(url)
+            try:
+                sock.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\n")
+                for _ in range(50):
+                    sock.sendall(chunk)
+            except OSError:
+                pass
+            status = read_response(sock, timeout=5)[0]
+            sock.close()
+            return status
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        start = time.monotonic()
+        with ThreadPoolExecutor(20) as pool:
+            statuses = list(pool.map(send, range(20)))
+        took = time.monotonic() - start
+        done.set()
+        sampler.join()
+        row(attack, "answers", f"{statuses.count(431)} x 431, {statuses.count(0)} reset before the answer was read, "
+            f"all in {took:.1f} s")
+        row(attack, "resident memory: before / peak", f"{before:.0f} / {max(peak):.0f} MiB (+{max(peak) - before:.0f})")
+
+
+def burst(repository: Path, budget_mib: int | None) -> None:
+    setting = f"`ATTEND_MAX_INFLIGHT_BYTES={budget_mib} MiB`" if budget_mib else "the default budget (256 MiB)"
+    attack = f"24 concurrent ~30 MB bodies, {setting}"
+    rng = np.random.default_rng(0)
+    array = rng.normal(size=(1, 780, 512)).tolist()
+    body = json.dumps({"model": "dot_product", "queries": array, "keys": array, "values": array}).encode()
+    env = {"ATTEND_MAX_INFLIGHT_BYTES": str(budget_mib * 1024 * 1024)} if budget_mib else {}
+    with running_service(repository, **env) as (url, proc):
+        httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=60)
+        time.sleep(3)
+        before = rss_mb(proc.pid)
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak.append(rss_mb(proc.pid))
+                time.sleep(0.05)
+
+        def send(_):
+            try:
+                return httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"},
+                                  timeout=120).status_code
+            except httpx.HTTPError:
+                return 0
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        start = time.monotonic()
+        with ThreadPoolExecutor(24) as pool:
+            statuses = list(pool.map(send, range(24)))
+        took = time.monotonic() - start
+        done.set()
+        sampler.join()
+        time.sleep(30)
+        after = rss_mb(proc.pid)
+        row(attack, "answers", f"{statuses.count(200)} x 200, {statuses.count(503)} x 503 + Retry-After "
+            f"(before their bodies were read), in {took:.1f} s")
+        row(attack, "body size", f"{len(body) / 1e6:.1f} MB")
+        row(attack, "resident memory: before / peak / 30 s after",
+            f"{before:.0f} / {max(peak):.0f} / {after:.0f} MiB (peak +{max(peak) - before:.0f}, "
+            f"after {100 * (after - before) / before:+.0f}%)")
+
+
+def deadline(repository: Path) -> None:
+    import subprocess
+
+    from tests.service.test_overload import _QUEUE
+
+    attack = "`X-Request-Timeout-Ms: 2000` behind 64 queued 8 MB requests (one core)"
+    array = np.random.default_rng(1).normal(size=(1, 2000, 64)).tolist()
+    big = json.dumps({"model": "dot_product", "queries": array, "keys": array, "values": array,
+                      "return_weights": False}).encode()
+    with running_service(repository, prefix=("taskset", "-c", "0"), ATTEND_INFERENCE_THREADS="1",
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(1 << 30)) as (url, _):
+        queue = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", _QUEUE, url], stdout=subprocess.PIPE,
+                                 text=True)
+        waited_for_queue = time.monotonic() + 15
+        while time.monotonic() < waited_for_queue:  # until the queue is there: requests held by the service
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            if next(float(x.split()[-1]) for x in metrics.splitlines()
+                    if x.startswith("attend_requests_in_flight")) >= 16:
+                break
+            time.sleep(0.1)
+        sock = connect(url)
+        start = time.monotonic()
+        head = (b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"X-Request-Timeout-Ms: 2000\r\nContent-Length: %d\r\n\r\n" % len(big))
+        threading.Thread(target=lambda: _send_quietly(sock, head + big), daemon=True).start()
+        status = read_response(sock, timeout=30)[0]
+        waited = time.monotonic() - start
+        sock.close()
+        statuses = json.loads(queue.communicate(timeout=300)[0])
+    row(attack, "answer", f"{status} after {waited:.2f} s")
+    row(attack, "the queue's own requests", f"{statuses.count(200)} of {len(statuses)} x 200")
+
+
+def vanishing(repository: Path, tmp: Path) -> None:
+    attack = "200 clients that send half a body, then disconnect"
+    log = tmp / "hostile.log"
+    with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info") as (url, _):
+        socks = []
+        for _ in range(200):
+            sock = connect(url)
+            sock.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"model\": \"additive\", \"queries\": [[[")
+            socks.append(sock)
+        time.sleep(0.5)
+        for sock in socks:
+            sock.close()
+        time.sleep(1.0)
+        metrics = httpx.get(f"{url}/metrics").text
+    text = log.read_text()
+    counted = {status: sum(float(x.split()[-1]) for x in metrics.splitlines()
+                           if x.startswith("attend_requests_total{") and f'status="{status}"' in x)
+               for status in ("499", "500")}
+    row(attack, "attend_requests_total", f"499: {counted['499']:.0f}, 500: {counted['500']:.0f}")
+    row(attack, "log", f"{text.count('Traceback')} tracebacks, {text.count(' ERROR ')} ERROR lines, "
+        f"{text.count(' 499 ')} access lines with 499")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--skip-burst", action="store_true", help="leave out the 30 MB bursts (~2 minutes)")
+    args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    import tempfile
+
+    connections(args.repository)
+    headers(args.repository)
+    if not args.skip_burst:
+        burst(args.repository, None)
+        burst(args.repository, 96)
+    deadline(args.repository)
+    vanishing(args.repository, Path(tempfile.mkdtemp()))
+    print("| attack | figure | measured |")
+    print("| --- | --- | --- |")
+    for attack, figure, value in ROWS:
+        print(f"| {attack} | {figure} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
