@@ -248,7 +248,10 @@ def main() -> int:
                 f"measurements of each point, the servers in alternating order, a fresh process for each. "
                 f"CPU us / request: the server process's user + system time over the point, per request.\n\n"
                 + "\n".join(legend) + "\n\n" + table + "\n")
-        args.out.write_text(text)
+        # The sections other commands wrote (from the first `## ` heading on) stay.
+        previous = args.out.read_text() if args.out.exists() else ""
+        kept = previous[previous.index("\n## "):] if "\n## " in previous else ""
+        args.out.write_text(text + kept)
     return 0
 
 
