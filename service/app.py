@@ -101,17 +101,17 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
 
 
 async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> None:
-    """After requests, when none is in flight any more, give freed heap memory back to the system
-    (glibc keeps it otherwise: 400-800 MB stayed resident after a burst of large bodies)."""
-    busy_since_trim = False
+    """After requests, once a whole period passed with none arriving and none in flight, give freed
+    heap memory back to the system (glibc keeps it otherwise: 400-800 MB stayed resident after a
+    burst of large bodies). Not under steady load: the next requests would fault the pages in again."""
+    seen = 0
     while True:
         await asyncio.sleep(every_s)
-        if dataplane.in_flight:
-            busy_since_trim = True
-        elif busy_since_trim or dataplane.served_since_trim:
+        served = dataplane.served_since_trim
+        if served and served == seen and not dataplane.in_flight:
             await anyio.to_thread.run_sync(trim_memory)
-            busy_since_trim = False
-            dataplane.served_since_trim = 0
+            dataplane.served_since_trim = served = 0
+        seen = served
 
 
 def _offline_docs(app: FastAPI) -> None:

@@ -67,6 +67,11 @@ class LoadedModel:
         return self._inputs
 
     @functools.cached_property
+    def named_input_axes(self) -> list[tuple[str, tuple[tuple[int, str], ...]]]:
+        """Each input's named axes, with their positions: what a batch groups and pads by."""
+        return [(s.name, tuple((i, a) for i, a in enumerate(s.shape) if a.__class__ is str)) for s in self._inputs]
+
+    @functools.cached_property
     def input_names(self) -> frozenset[str]:
         return frozenset(s.name for s in self._inputs)
 
