@@ -104,7 +104,7 @@ for c in $CONCURRENCY; do
     perf_analyzer -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
         --input-tensor-format binary --output-tensor-format binary \
         --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
-        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 6 \
+        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 12 \
         --stability-percentage 30 -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 || status=$?
     if [ "$status" != 0 ]; then
         cat "$RUN/c$c.log" >&2
