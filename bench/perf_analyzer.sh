@@ -99,12 +99,14 @@ fi
 # ------------------------------------------------------------------ the sweep
 TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p99 ms |
 | ---: | ---: | ---: | ---: | ---: | ---: |"
+# perf_analyzer keeps ~1.6 MB per W2 request it sends (24 GB when the kernel killed it after 12
+# windows of 3 s): 6 windows a point keep it to a few GB.
 for c in $CONCURRENCY; do
     status=0
     perf_analyzer -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
         --input-tensor-format binary --output-tensor-format binary \
         --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
-        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 12 \
+        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 6 \
         --stability-percentage 30 -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 || status=$?
     if [ "$status" != 0 ]; then
         cat "$RUN/c$c.log" >&2
