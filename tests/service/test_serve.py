@@ -81,8 +81,11 @@ def replica_pids() -> dict[str, int]:
     pids = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith("SERVE_REPLICA::"):
-            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            pids[actor["name"]] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            try:
+                handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                pids[actor["name"]] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            except (ValueError, ray.exceptions.RayActorError):
+                pass  # just killed: still listed (and counted RUNNING by serve.status) for a moment
     return pids
 
 
