@@ -2,7 +2,7 @@
 # perf_analyzer, Triton's load tool, against the service's Open Inference Protocol: W2 (dot_product,
 # 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
 #
-#   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 3]
+#   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 3] [--stability 30]
 #                          [--out FILE]
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
@@ -23,6 +23,7 @@ URL=""
 REPOSITORY=model_repository
 CONCURRENCY="1 2 4 8 16"
 SECONDS_PER_POINT=3
+STABILITY=30
 OUT=""
 while [ $# -gt 0 ]; do
     case $1 in
@@ -30,6 +31,7 @@ while [ $# -gt 0 ]; do
         --repository) REPOSITORY=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
         --seconds) SECONDS_PER_POINT=$2; shift 2 ;;
+        --stability) STABILITY=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
@@ -107,7 +109,7 @@ for c in $CONCURRENCY; do
         --input-tensor-format binary --output-tensor-format binary \
         --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
         --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 6 \
-        --stability-percentage 30 -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 || status=$?
+        --stability-percentage "$STABILITY" -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 || status=$?
     if [ "$status" != 0 ]; then
         cat "$RUN/c$c.log" >&2
         echo "perf_analyzer exited with $status at concurrency $c" >&2
@@ -123,7 +125,7 @@ print(f"| {row['Concurrency']} | {inferences / 8:.0f} | {inferences:.0f} | {ms['
 EOF
 )
 done
-COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT"
+COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY"
 TEXT="perf_analyzer $VERSION (\`-i http -b 8\`, binary tensors in and out, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
 
 $TABLE"
