@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.server import running_service  # noqa: E402
-from tests.service.test_overload import TOY, _send_quietly, connect, read_response, rss_mb  # noqa: E402
+from tests.service.test_overload import TOY, _send_quietly, connect, read_response, rss_mb, sampling_rss  # noqa: E402
 
 ROWS: list[tuple[str, str, str]] = []
 
@@ -66,13 +66,6 @@ def headers(repository: Path) -> None:
     with running_service(repository) as (url, proc):
         before = rss_mb(proc.pid)
         chunk = b"X-Big: " + b"a" * (1024 * 1024 - 9) + b"\r\n"
-        peak = [before]
-        done = threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak.append(rss_mb(proc.pid))
-                time.sleep(0.02)
 
         def send(_):
             sock = connect(url)
@@ -86,14 +79,10 @@ def headers(repository: Path) -> None:
             sock.close()
             return status
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
         start = time.monotonic()
-        with ThreadPoolExecutor(20) as pool:
+        with sampling_rss(proc.pid, 0.02) as peak, ThreadPoolExecutor(20) as pool:
             statuses = list(pool.map(send, range(20)))
         took = time.monotonic() - start
-        done.set()
-        sampler.join()
         row(attack, "answers", f"{statuses.count(431)} x 431, {statuses.count(0)} reset before the answer was read, "
             f"all in {took:.1f} s")
         row(attack, "resident memory: before / peak", f"{before:.0f} / {max(peak):.0f} MiB (+{max(peak) - before:.0f})")
@@ -110,13 +99,6 @@ def burst(repository: Path, budget_mib: int | None) -> None:
         httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=60)
         time.sleep(3)
         before = rss_mb(proc.pid)
-        peak = [before]
-        done = threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak.append(rss_mb(proc.pid))
-                time.sleep(0.05)
 
         def send(_):
             try:
@@ -125,14 +107,10 @@ def burst(repository: Path, budget_mib: int | None) -> None:
             except httpx.HTTPError:
                 return 0
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
         start = time.monotonic()
-        with ThreadPoolExecutor(24) as pool:
+        with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(24) as pool:
             statuses = list(pool.map(send, range(24)))
         took = time.monotonic() - start
-        done.set()
-        sampler.join()
         time.sleep(30)
         after = rss_mb(proc.pid)
         row(attack, "answers", f"{statuses.count(200)} x 200, {statuses.count(503)} x 503 + Retry-After "

@@ -274,8 +274,7 @@ def test_timeout_header_shortens_the_deadline(client):
 # --- the endpoint itself: a gone client, a deadline, on the real request path (no TestClient) --
 
 async def _asgi(app, body, receive_after_body=None, headers=()):
-    """Call the app as a server would; returns (messages sent, status)."""
-    sent = []
+    """Call the app as a server would; returns the messages sent."""
     delivered = False
 
     async def receive():
@@ -286,6 +285,13 @@ async def _asgi(app, body, receive_after_body=None, headers=()):
         if receive_after_body is not None:
             return await receive_after_body()
         await asyncio.sleep(3600)
+
+    return await _call(app, receive, headers)
+
+
+async def _call(app, receive, headers=()):
+    """POST /attend through the ASGI app with this receive: the messages it sends."""
+    sent = []
 
     async def send(message):
         sent.append(message)
@@ -390,7 +396,6 @@ async def test_a_deadline_passing_while_the_body_comes_in_is_504(settings):
 
 async def _asgi_partial(app, first, then, headers=()):
     """A request whose body starts with `first` and whose next chunk comes from `then`."""
-    sent = []
     chunks = iter([{"type": "http.request", "body": first, "more_body": True}])
 
     async def receive():
@@ -399,12 +404,4 @@ async def _asgi_partial(app, first, then, headers=()):
         except StopIteration:
             return await then()
 
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/attend", "raw_path": b"/attend", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80), "state": {}}
-    await app(scope, receive, send)
-    return sent
+    return await _call(app, receive, headers)

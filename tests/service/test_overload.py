@@ -4,6 +4,7 @@ more body bytes than the budget, deadlines behind large decodes, clients that va
 probes and a normal request on a new connection keep being answered; every refusal is the one JSON
 error body; memory stays bounded and comes back."""
 
+import contextlib
 import json
 import resource
 import socket
@@ -36,6 +37,26 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+@contextlib.contextmanager
+def sampling_rss(pid: int, every_s: float = 0.05):
+    """The process's resident MiB, sampled in a thread while the block runs: the list of samples."""
+    samples = [rss_mb(pid)]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            samples.append(rss_mb(pid))
+            time.sleep(every_s)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield samples
+    finally:
+        done.set()
+        sampler.join()
 
 
 def connect(url: str) -> socket.socket:
@@ -154,17 +175,6 @@ def test_body_bytes_in_flight_are_budgeted_and_memory_comes_back(repository):
         httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=60)
         time.sleep(3)
         before = rss_mb(proc.pid)
-        peak = [before]
-        done = threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak.append(rss_mb(proc.pid))
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-
         def send(_):
             try:
                 r = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"},
@@ -173,10 +183,8 @@ def test_body_bytes_in_flight_are_budgeted_and_memory_comes_back(repository):
             except httpx.HTTPError as e:
                 return "error", None, repr(e)
 
-        with ThreadPoolExecutor(24) as pool:
+        with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(24) as pool:
             results = list(pool.map(send, range(24)))
-        done.set()
-        sampler.join()
         statuses = [r[0] for r in results]
         assert set(statuses) <= {200, 503}, results
         assert statuses.count(200) >= 3 and statuses.count(503) >= 1
