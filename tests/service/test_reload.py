@@ -4,6 +4,7 @@ version's and none is old once the load has returned; a broken version fails wit
 the old one keeps serving; unload finishes what is queued, then 404; SIGHUP does what load does."""
 
 import json
+import re
 import shutil
 import signal
 import threading
@@ -22,6 +23,7 @@ QUERIES = np.random.default_rng(0).normal(size=(2, 4, 100)).round(4).tolist()
 BODY = json.dumps({"model": "multi_head", "queries": QUERIES, "keys": QUERIES, "values": QUERIES,
                    "valid_lens": [3, 4]}).encode()
 ADMIN = {"Authorization": "Bearer admin-key-1"}
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture
@@ -132,10 +134,23 @@ def test_a_broken_version_fails_with_its_reason_and_the_old_keeps_serving(repo):
         assert states["1"]["state"] == "READY"
 
 
+def _queue_depth(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^attend_queue_depth (\S+)$", metrics, re.M).group(1))
+
+
 def test_unload_finishes_the_queue_then_404(repo):
+    # Requests heavy enough (tens of ms each) that, with 6 clients, some wait in the server's queue
+    # when the unload arrives: watched on /metrics, not guessed from client-side clocks.
+    heavy = np.random.default_rng(1).normal(size=(4, 128, 100)).round(3).tolist()
+    body = json.dumps({"model": "multi_head", "queries": heavy, "keys": heavy, "values": heavy,
+                       "return_weights": False}).encode()
     with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
-        old = _outputs(url)
-        with Load(url, clients=6) as load:
+        old = np.array(httpx.post(f"{url}/attend", content=body, headers=JSON, timeout=30).json()["outputs"])
+        with Load(url, clients=6, body=body) as load:
+            deadline = time.monotonic() + 20
+            while _queue_depth(url) < 1 and time.monotonic() < deadline:
+                pass
             called_at = time.monotonic()
             response = httpx.post(f"{url}/v2/repository/models/multi_head/unload", headers=ADMIN, timeout=60)
             assert response.status_code == 200
@@ -143,14 +158,14 @@ def test_unload_finishes_the_queue_then_404(repo):
             time.sleep(0.5)
         kinds = _classify(load.results, old, old)
         assert all(k[2] == "old" or k[2].startswith("status 404") for k in kinds)  # nothing else: no 5xx
-        # What was in flight when the unload began finished, on the model...
+        # What was queued when the unload began finished, on the model...
         assert [k for k in kinds if k[0] < called_at < k[1] and k[2] == "old"]
         # ... and once the unload has answered, the model is gone.
         after = [k for k in kinds if k[0] > unloaded_at]
         assert after and all(k[2].startswith("status 404") for k in after)
         assert httpx.get(f"{url}/models/multi_head").json()["status"] == "not loaded"
         assert httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60).status_code == 200
-        assert np.allclose(_outputs(url), old)
+        assert np.allclose(httpx.post(f"{url}/attend", content=body, headers=JSON, timeout=30).json()["outputs"], old)
 
 
 def test_sighup_loads_what_changed_under_load(repo):
