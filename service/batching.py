@@ -37,7 +37,7 @@ import numpy as np
 
 from service.decode import Request
 from service.errors import ClientGone, DeadlineExceeded, Overloaded
-from service.metrics import Metrics
+from service.metrics import MULTIPROCESS, Metrics
 from service.runtime import LoadedModel
 
 log = logging.getLogger("service")
@@ -110,6 +110,9 @@ def merge(model: LoadedModel, jobs: list[Job]) -> dict[str, np.ndarray]:
     query rows get length 0; both are sliced off the results."""
     if len(jobs) == 1:
         return jobs[0].request.feed
+    if _same_lengths(jobs):  # nothing to pad (the usual batch of like requests): stacked in one call an input
+        return {spec.name: np.concatenate([j.request.feed[spec.name] for j in jobs], dtype=jobs[0].request.feed[
+            spec.name].dtype) for spec in model.inputs()}
     merged_axes = {name: max(j.axes[name] for j in jobs) for name in _SEQUENCE if name in jobs[0].axes}
     merged_axes["batch"] = sum(j.rows for j in jobs)
     feed: dict[str, np.ndarray] = {}
@@ -133,6 +136,13 @@ def merge(model: LoadedModel, jobs: list[Job]) -> dict[str, np.ndarray]:
     return feed
 
 
+def _same_lengths(jobs: list[Job]) -> bool:
+    """Whether every job has the first's sizes of every axis but batch (jobs of a batch share their
+    feature sizes, so their lengths say it)."""
+    n_q, n_k = jobs[0].n_q, jobs[0].n_k
+    return all(j.n_q == n_q and j.n_k == n_k for j in jobs)
+
+
 def _slice(spec_shape: tuple, job: Job, row: int) -> tuple[slice, ...]:
     """A job's part of a merged output: its rows, and its own size of every sequence axis."""
     return tuple(slice(row, row + job.rows) if name == "batch" else slice(0, job.axes[name]) if name in _SEQUENCE
@@ -151,6 +161,16 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
         job = jobs[0]
         return [job.encode(model, outputs, job.request.return_weights)], seconds
     results, row = [], 0
+    if _same_lengths(jobs):  # each job's part is its rows (a view, contiguous); an output without batch, whole
+        by_batch = [(spec.name, spec.shape[0] == "batch") for spec in model.outputs]
+        for job in jobs:
+            end = row + job.rows
+            weights = job.request.return_weights
+            mine = {name: outputs[name][row:end] if batched else outputs[name] for name, batched in by_batch
+                    if weights or name != "attention_weights"}
+            results.append(job.encode(model, mine, weights))
+            row = end
+        return results, seconds
     for job in jobs:
         mine = {spec.name: np.ascontiguousarray(outputs[spec.name][_slice(spec.shape, job, row)])
                 for spec in model.outputs if job.request.return_weights or spec.name != "attention_weights"}
@@ -295,7 +315,8 @@ class Batcher:
         thread (this returns once the thread has it)."""
         scheduler = self.scheduler
         jobs = await self._take()
-        scheduler.metrics.queue_depth.set(scheduler.queued)
+        if scheduler.depth_gauge is not None:
+            scheduler.depth_gauge.set(scheduler.queued)
         if not jobs:
             return
         self._observe(jobs)
@@ -373,6 +394,11 @@ class Scheduler:
         self.threads = asyncio.Semaphore(threads)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="inference")
         self.queued = 0
+        # The queue-depth gauge: read at scrape time from `queued` (a Gauge.set takes a lock, ~1 us,
+        # twice a request); with workers, each sets its own value as it changes.
+        self.depth_gauge = metrics.queue_depth if MULTIPROCESS else None
+        if not MULTIPROCESS:
+            metrics.queue_depth.set_function(lambda: self.queued)
         self.paused = False
         # The HTTP server's open connections, where it tells (uvicorn run by python -m service):
         # how many requests a batch can expect at most.
@@ -453,7 +479,8 @@ class Scheduler:
         loop = self.loop
         job.future = future = loop.create_future()
         self.queued += 1
-        self.metrics.queue_depth.set(self.queued)
+        if self.depth_gauge is not None:
+            self.depth_gauge.set(self.queued)
         batcher.put(job)
         # A timer, not wait_for (a task per call): at the deadline the caller gets its 504 even if a
         # long run holds the batch; the batcher drops the job if it has not run yet.

@@ -80,6 +80,59 @@ def _refusing_app(status: int, code: str, message: str):
     return app
 
 
+class CoalescingTransport:
+    """uvicorn writes a response's status line and headers, then its body, with a write each: two
+    send() system calls and two TCP segments for every small response. An endpoint that sends both
+    at once (service.routes.endpoint.send_body) calls `hold_next` first (offered to it in the
+    request's scope as the "attend.hold" extension): the head is held, and goes out joined with the
+    body in one write. Everything else is the real transport's; closing flushes what is held."""
+
+    __slots__ = ("transport", "held", "holding")
+
+    def __init__(self, transport: asyncio.Transport):
+        self.transport = transport
+        self.held: bytes | None = None
+        self.holding = False
+
+    def hold_next(self) -> None:
+        self.holding = True
+
+    def write(self, data: bytes) -> None:
+        if self.holding:
+            self.holding = False
+            self.held = data
+            return
+        held = self.held
+        if held is None:
+            self.transport.write(data)
+            return
+        self.held = None
+        if len(data) <= 64 * 1024:
+            self.transport.write(held + data)
+        else:  # large: not copied to join it
+            self.transport.write(held)
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        held, self.held, self.holding = self.held, None, False
+        if held is not None:
+            self.transport.write(held)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self.transport.write_eof()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
 class Guard:
     """The limits, and what the connections of one process hold against them. One sweep every
     `_SWEEP_S` looks at every connection's header and body deadlines (a timer per request cost
@@ -132,6 +185,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = CoalescingTransport(transport)  # type: ignore[assignment]
         if len(self.connections) > self.guard.settings.max_open_connections:
             self._refuse(503, "overloaded", "too many open connections; retry shortly", retry_after=True)
             return
@@ -191,7 +245,9 @@ class GuardedProtocol(HttpToolsProtocol):
         if refusal is None:
             super().on_headers_complete()
             # When the request arrived, for its deadline: under load its task may start much later.
-            self.scope.setdefault("extensions", {})["attend.arrived"] = time.monotonic()
+            extensions = self.scope.setdefault("extensions", {})
+            extensions["attend.arrived"] = time.monotonic()
+            extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
             if self._body_expected and self.cycle is not None:
                 self._body_started = self.loop.time()
                 self._body_progress = (self._body_started, 0)

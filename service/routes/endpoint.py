@@ -81,7 +81,12 @@ def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | Non
     return (arrived if arrived is not None else time.monotonic()) + timeout
 
 
-async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON) -> None:
+async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON,
+                    hold: Any = None) -> None:
+    """The response, head and body. `hold`: the server's way to send both in one write (see
+    service.server.CoalescingTransport), where it offers one."""
+    if hold is not None:
+        hold()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -150,9 +155,9 @@ class InferenceEndpoint:
             log_access("POST", scope["path"], status, time.perf_counter() - start)
             request_id.reset(token)
 
-    async def send_error(self, send: Send, error: ServiceError, headers: Headers) -> int:
+    async def send_error(self, send: Send, error: ServiceError, headers: Headers, hold: Any = None) -> int:
         extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-        await send_body(send, error.status, self.error_body(error), [*headers, *extra])
+        await send_body(send, error.status, self.error_body(error), [*headers, *extra], hold=hold)
         return error.status
 
     async def _read_and_decode(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
@@ -160,9 +165,10 @@ class InferenceEndpoint:
         """The body, read and decoded, within the request's deadline: on a loaded server the body of
         a large request can take seconds to come in, and its decode waits for a thread (past the
         deadline: 504, and the decode is never started)."""
-        task = asyncio.current_task()
+        loop = self.dataplane.scheduler.loop  # cached: on Python 3.11 each lookup is a getpid() system call
+        task = asyncio.current_task(loop)
         assert task is not None
-        timer = asyncio.get_running_loop().call_later(max(until - time.monotonic(), 0), task.cancel)
+        timer = loop.call_later(max(until - time.monotonic(), 0), task.cancel)
         try:
             body = await read_body(receive, headers, self.settings.max_body_bytes)
             request = await self.decode(scope, headers, body, until)
@@ -181,12 +187,14 @@ class InferenceEndpoint:
         """The response's status, once sent (0: the client went away, nothing was sent)."""
         metrics = self.metrics
         dataplane = self.dataplane
+        extensions = scope.get("extensions") or {}
+        hold = extensions.get("attend.hold")
         # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
         # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
         if dataplane is None or not self.state.serving:
             metrics.model("-").status(503).inc()
             return await self.send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}),
-                                         extra)
+                                         extra, hold)
         model = self.model_of(scope)
         dataplane.in_flight += 1
         dataplane.served_since_trim += 1
@@ -197,7 +205,7 @@ class InferenceEndpoint:
                 check_api_key(headers.get(b"authorization"), self.api_keys)
             self.check_media_type(headers)
             settings = self.settings
-            until = deadline(headers, settings.request_timeout_s, scope.get("extensions", {}).get("attend.arrived"))
+            until = deadline(headers, settings.request_timeout_s, extensions.get("attend.arrived"))
             request, encode = await self._read_and_decode(scope, headers, receive, until)
             model = request.model.name
             content = await dataplane.infer(request, until, encode, disconnect_probe(receive))
@@ -206,11 +214,11 @@ class InferenceEndpoint:
             if isinstance(e, ClientGone):  # not a server error: counted (499, as nginx does), nothing sent
                 metrics.client_gone.labels(e.model or model).inc()
                 return 0
-            return await self.send_error(send, e, extra)
+            return await self.send_error(send, e, extra, hold)
         except Exception:
             log.exception("unhandled error on POST %s", scope["path"][:200])
             metrics.model(model).status(500).inc()
-            return await self.send_error(send, ServiceError("internal server error"), extra)
+            return await self.send_error(send, ServiceError("internal server error"), extra, hold)
         finally:
             dataplane.in_flight -= 1
             if MULTIPROCESS:
@@ -221,5 +229,5 @@ class InferenceEndpoint:
             metrics.worker_served.inc()
         children.latency.observe(time.perf_counter() - start)
         body, more, content_type = self.response(content)
-        await send_body(send, 200, body, [*extra, *more] if more else extra, content_type)
+        await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold)
         return 200

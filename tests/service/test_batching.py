@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.batching import BatchLimits, Job, Scheduler, bucket, merge, run_batch
+from service.batching import BatchLimits, Job, Scheduler, _same_lengths, bucket, merge, run_batch
 from service.dataplane import Dataplane, encode_attend
 from service.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.metrics import Metrics
@@ -95,12 +95,23 @@ def assert_same(batched: bytes, single: bytes):
 
 # --- merge and slice: exact ------------------------------------------------------------------
 
+def like_bodies(kind, count, seed=0):
+    """The same n_q and n_k (nothing to pad: stacked, service.batching's same-lengths path), different
+    batch sizes and lens forms, some without the weights."""
+    rng = np.random.default_rng(seed)
+    forms = ["absent", "1d", "2d"]
+    bodies = [make_body(kind, rng, int(rng.integers(1, 4)), 5, 7, forms[i % 3]) for i in range(count)]
+    return [b[:-1] + b', "return_weights": false}' if i % 4 == 3 else b for i, b in enumerate(bodies)]
+
+
+@pytest.mark.parametrize("lengths", ["mixed", "same"])
 @pytest.mark.parametrize("kind", ["dot_product", "additive", "multi_head", "self_attention", "masked_softmax",
                                   "positional_encoding"])
-def test_one_merged_run_equals_separate_runs(dataplane, kind):
-    bodies = mixed_bodies(kind, 12, seed=len(kind))
+def test_one_merged_run_equals_separate_runs(dataplane, kind, lengths):
+    bodies = (mixed_bodies if lengths == "mixed" else like_bodies)(kind, 12, seed=len(kind))
     requests = [dataplane.decode(b) for b in bodies]
     jobs = [Job(r, deadline=float("inf"), encode=encode_attend) for r in requests]
+    assert _same_lengths(jobs) == (lengths == "same")
     feed = merge(requests[0].model, jobs)
     first = requests[0].model.inputs()[0].name  # queries, or scores
     assert feed[first].shape[0] == sum(j.rows for j in jobs)  # really one run for all

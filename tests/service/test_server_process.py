@@ -1,9 +1,11 @@
 """The real server process on a free port, over real HTTP."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -113,3 +115,32 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
     runs, served = total("attend_batch_requests_count"), total("attend_batch_requests_sum")
     assert served == 3 * len(bodies)
     assert runs < served  # merged
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_response_goes_out_in_one_write(repository, tmp_path):
+    """The status line, headers and body of an /attend response (200 or an error) leave in one system
+    call (service.server.CoalescingTransport), not uvicorn's two: seen with strace on the real process."""
+    trace = tmp_path / "writes.txt"
+    with running_service(repository) as (url, proc), httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post("/attend", json=toy_request()).status_code == 200
+        strace = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=write,writev,sendto,sendmsg", "-s", "4096",
+                                   "-o", str(trace), "-p", str(proc.pid)], stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while not trace.exists() or strace.poll() is not None:  # attached once it has opened its output
+            if strace.poll() is not None or time.monotonic() > deadline:
+                pytest.skip(f"strace could not attach: {strace.stderr.read().decode()[-300:]}")
+            time.sleep(0.05)
+        time.sleep(0.5)
+        answers = [http.post("/attend", json=toy_request()) for _ in range(5)]
+        answers.append(http.post("/attend", json=toy_request() | {"model": "nope"}))
+        time.sleep(0.3)
+        strace.terminate()
+        strace.wait(timeout=10)
+    assert [a.status_code for a in answers] == [200] * 5 + [404]
+    writes = [line for line in trace.read_text().splitlines() if '"HTTP/1.1 ' in line]
+    assert len(writes) == 6, writes
+    for line, answer in zip(writes, answers, strict=True):
+        start = answer.content[:60].decode().replace('"', '\\"')  # as strace prints it
+        assert "\\r\\n\\r\\n" + start in line  # the head, then the body, in the same write...
+        assert int(line.rsplit("= ", 1)[1]) > len(answer.content)  # ... and all of it written by that call
