@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import resource
@@ -248,6 +249,9 @@ class GuardedProtocol(HttpToolsProtocol):
             extensions = self.scope.setdefault("extensions", {})
             extensions["attend.arrived"] = time.monotonic()
             extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
+            # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the
+            # batching for requests that have waited.
+            extensions["attend.disconnected"] = functools.partial(getattr, self.cycle, "disconnected")
             if self._body_expected and self.cycle is not None:
                 self._body_started = self.loop.time()
                 self._body_progress = (self._body_started, 0)

@@ -93,8 +93,17 @@ async def send_body(send: Send, status: int, body: bytes, headers: Headers, cont
     await send({"type": "http.response.body", "body": body})
 
 
-def disconnect_probe(receive: Receive) -> Any:
-    """Whether the client has gone, without waiting: a receive cancelled at once (Starlette's way)."""
+def disconnect_probe(extensions: dict, receive: Receive) -> Any:
+    """Whether the client has gone, without waiting. Where the server offers it ("attend.disconnected",
+    service.server.GuardedProtocol), its connection's state is read; else a receive cancelled at once
+    (Starlette's way), which costs ~30 us more: anyio's cancel formats the task's repr."""
+    gone = extensions.get("attend.disconnected")
+    if gone is not None:
+        async def has_gone() -> bool:
+            return gone()
+
+        return has_gone
+
     async def is_disconnected() -> bool:
         message: dict[str, Any] = {}
         with anyio.CancelScope() as scope:
@@ -208,7 +217,7 @@ class InferenceEndpoint:
             until = deadline(headers, settings.request_timeout_s, extensions.get("attend.arrived"))
             request, encode = await self._read_and_decode(scope, headers, receive, until)
             model = request.model.name
-            content = await dataplane.infer(request, until, encode, disconnect_probe(receive))
+            content = await dataplane.infer(request, until, encode, disconnect_probe(extensions, receive))
         except ServiceError as e:
             metrics.model(e.model or model).status(e.status).inc()
             if isinstance(e, ClientGone):  # not a server error: counted (499, as nginx does), nothing sent

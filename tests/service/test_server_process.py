@@ -1,10 +1,13 @@
 """The real server process on a free port, over real HTTP."""
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -144,3 +147,50 @@ def test_a_response_goes_out_in_one_write(repository, tmp_path):
         start = answer.content[:60].decode().replace('"', '\\"')  # as strace prints it
         assert "\\r\\n\\r\\n" + start in line  # the head, then the body, in the same write...
         assert int(line.rsplit("= ", 1)[1]) > len(answer.content)  # ... and all of it written by that call
+
+
+def _binary_infer(batch: int, n: int, d: int) -> tuple[bytes, dict]:
+    """A dot_product Open Inference Protocol request in binary tensors, asking only for `outputs`."""
+    x = np.random.default_rng(0).normal(size=(batch, n, d)).astype(np.float32)
+    inputs = [{"name": name, "datatype": "FP32", "shape": list(x.shape), "parameters": {"binary_data_size": x.nbytes}}
+              for name in ("queries", "keys", "values")]
+    head = json.dumps({"inputs": inputs,
+                       "outputs": [{"name": "outputs", "parameters": {"binary_data": True}}]}).encode()
+    return head + x.tobytes() * 3, {"Inference-Header-Content-Length": str(len(head)),
+                                    "Content-Type": "application/octet-stream"}
+
+
+def test_a_client_gone_while_queued_is_dropped_unrun_over_real_http(repository):
+    """A request whose client closed its connection while it waited in the queue is dropped before its
+    batch runs and counted as 499: the server's own view of the connection (uvicorn's cycle), read by
+    the batching. Long runs on one inference thread keep it waiting: one runs, one waits for the
+    thread, one waits in the queue (seen on /metrics) when it is sent."""
+    body, headers = _binary_infer(32, 1024, 64)  # ~0.3 s a run on one thread
+    with running_service(repository, ATTEND_INFERENCE_THREADS="1", ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 * 1024 * 1024)) as (url, _):
+        infer = f"{url}/v2/models/dot_product/infer"
+        long_runs = []
+
+        def long_run():
+            long_runs.append(httpx.post(infer, content=body, headers=headers, timeout=60).status_code)
+
+        threads = [threading.Thread(target=long_run) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while "attend_queue_depth 1.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "no long run ever waited in the queue"
+        toy = json.dumps(toy_request() | {"model": "dot_product", "queries": [[[1.0, 2.0]]] * 2,
+                                          "keys": [[[1.0, 0.0]] * 10] * 2}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as gone:
+            gone.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(toy), toy))
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join()
+        assert long_runs == [200] * 3
+        metrics = httpx.get(f"{url}/metrics").text
+    assert 'attend_client_gone_total{model="dot_product"} 1.0' in metrics
+    assert 'attend_requests_total{model="dot_product",status="499"} 1.0' in metrics
+    assert 'attend_batch_requests_count{model="dot_product"} 3.0' in metrics  # the long runs only
