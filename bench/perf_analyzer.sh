@@ -3,11 +3,13 @@
 # 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
 #
 #   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 3] [--stability 30]
-#                          [--out FILE]
+#                          [--max-memory-gb 16] [--out FILE]
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
 # as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
-# Python wrapper exits 0 even when the binary cannot start, so the binary is called directly).
+# Python wrapper exits 0 even when the binary cannot start, so the binary is called directly), or 3
+# when perf_analyzer passed --max-memory-gb (it keeps every response it receives, ~1.6 MB a W2
+# request; once in a while a point ran on until the kernel killed it at 23 GB).
 #
 # perf_analyzer 2.60 comes as a wheel for glibc 2.38 or newer; on Debian 12 (glibc 2.36) pip quietly
 # installs a 2 KB placeholder instead. So the real wheel is downloaded for its platform, and the binary
@@ -24,6 +26,7 @@ REPOSITORY=model_repository
 CONCURRENCY="1 2 4 8 16"
 SECONDS_PER_POINT=3
 STABILITY=30
+MAX_MEMORY_GB=16
 OUT=""
 while [ $# -gt 0 ]; do
     case $1 in
@@ -32,6 +35,7 @@ while [ $# -gt 0 ]; do
         --concurrency) CONCURRENCY=$2; shift 2 ;;
         --seconds) SECONDS_PER_POINT=$2; shift 2 ;;
         --stability) STABILITY=$2; shift 2 ;;
+        --max-memory-gb) MAX_MEMORY_GB=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
@@ -105,11 +109,31 @@ TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p
 # windows of 3 s): 6 windows a point keep it to a few GB.
 for c in $CONCURRENCY; do
     status=0
-    perf_analyzer -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
+    taskset -c 1 "$TOOLS/root/usr/lib64/ld-linux-x86-64.so.2" --library-path "$LIBS" "$TOOLS/perf_analyzer" \
+        -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
         --input-tensor-format binary --output-tensor-format binary \
         --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
         --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 6 \
-        --stability-percentage "$STABILITY" -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 || status=$?
+        --stability-percentage "$STABILITY" -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 &
+    pa=$!
+    # Its memory, watched: stopped at MAX_MEMORY_GB rather than left to the kernel's OOM killer,
+    # which takes the machine's other processes' memory with it first.
+    over=0
+    while kill -0 "$pa" 2>/dev/null; do
+        rss=$(awk '/^VmRSS/ {print $2}' "/proc/$pa/status" 2>/dev/null || true)
+        if [ "${rss:-0}" -gt $((MAX_MEMORY_GB * 1024 * 1024)) ]; then
+            over=$rss
+            kill -KILL "$pa" 2>/dev/null || true
+            break
+        fi
+        sleep 0.25
+    done
+    wait "$pa" || status=$?
+    if [ "$over" != 0 ]; then
+        cat "$RUN/c$c.log" >&2
+        echo "perf_analyzer stopped at concurrency $c: it held $((over / 1024)) MiB, over --max-memory-gb $MAX_MEMORY_GB" >&2
+        exit 3
+    fi
     if [ "$status" != 0 ]; then
         cat "$RUN/c$c.log" >&2
         echo "perf_analyzer exited with $status at concurrency $c" >&2

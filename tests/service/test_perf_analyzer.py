@@ -15,11 +15,17 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
                     reason="fetching Debian 13's libc needs apt-get and dpkg-deb")
 def test_perf_analyzer_runs_against_the_service(repository):
-    result = subprocess.run(["bash", "bench/perf_analyzer.sh", "--repository", str(repository), "--concurrency", "1 4",
-                             "--seconds", "2",
-                             # What is tested is that it runs and reports, not how steady this shared
-                             # machine is (at 30% it failed now and then to call its windows stable).
-                             "--stability", "100"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = ["bash", "bench/perf_analyzer.sh", "--repository", str(repository), "--concurrency", "1 4",
+               "--seconds", "2", "--max-memory-gb", "6",
+               # What is tested is that it runs and reports, not how steady this shared
+               # machine is (at 30% it failed now and then to call its windows stable).
+               "--stability", "100"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if result.returncode == 3:
+        # perf_analyzer passed the memory bound (it keeps every response; twice in ~20 runs here a point
+        # ran on to 23 GB): once more, and that one must pass.
+        print(result.stderr[-1000:])
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "4"], result.stdout
