@@ -56,8 +56,9 @@ class BatchLimits:
     inline_run_s: float = 1e-3  # batches predicted to run faster than this run on the event loop
 
 
-# Asking whether a client has gone costs a cancelled receive (~10-20 us on the event loop): worth it
-# for a request that has waited, not for one that just arrived.
+# Asking whether a client has gone: under `python -m service` a read of the connection's state (~1 us),
+# under another server a cancelled receive (~30 us on the event loop): worth it for a request that has
+# waited, not for one that just arrived.
 _CHECK_CLIENT_AFTER_S = 0.002
 
 
