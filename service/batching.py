@@ -105,13 +105,15 @@ def _heads(model: LoadedModel) -> int:
     return int(model.config.hyperparameters.get("num_heads", 1))
 
 
-def merge(model: LoadedModel, jobs: list[Job]) -> dict[str, np.ndarray]:
+def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict[str, np.ndarray]:
     """One feed for every job: zero-padded to the largest size of every sequence axis, stacked along
     batch. Padded keys are past every job's valid lengths (masked: weight exactly 0) and padded
-    query rows get length 0; both are sliced off the results."""
+    query rows get length 0; both are sliced off the results. `same`: whether the jobs have the same
+    lengths, where the caller knows (`_same_lengths`)."""
     if len(jobs) == 1:
         return jobs[0].request.feed
-    if _same_lengths(jobs):  # nothing to pad (the usual batch of like requests): stacked in one call an input
+    if _same_lengths(jobs) if same is None else same:
+        # Nothing to pad (the usual batch of like requests): stacked in one call an input.
         return {spec.name: np.concatenate([j.request.feed[spec.name] for j in jobs], dtype=jobs[0].request.feed[
             spec.name].dtype) for spec in model.inputs()}
     merged_axes = {name: max(j.axes[name] for j in jobs) for name in _SEQUENCE if name in jobs[0].axes}
@@ -153,7 +155,8 @@ def _slice(spec_shape: tuple, job: Job, row: int) -> tuple[slice, ...]:
 def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[list[Any], float]:
     """Merge, run once, slice each job's rows, queries and keys back out, encode each with its
     job's encoder. Returns the bodies and the seconds the session run took."""
-    feed = merge(model, jobs)
+    same = len(jobs) > 1 and _same_lengths(jobs)
+    feed = merge(model, jobs, same)
     start = time.perf_counter()
     outputs = model.run(feed)
     seconds = time.perf_counter() - start
@@ -162,7 +165,7 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
         job = jobs[0]
         return [job.encode(model, outputs, job.request.return_weights)], seconds
     results, row = [], 0
-    if _same_lengths(jobs):  # each job's part is its rows (a view, contiguous); an output without batch, whole
+    if same:  # each job's part is its rows (a view, contiguous); an output without batch, whole
         by_batch = [(spec.name, spec.shape[0] == "batch") for spec in model.outputs]
         for job in jobs:
             end = row + job.rows
