@@ -12,7 +12,6 @@ import json
 import resource
 import socket
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.server import running_service  # noqa: E402
-from tests.service.test_overload import TOY, _send_quietly, connect, read_response, rss_mb, sampling_rss  # noqa: E402
+from tests.service.test_overload import (  # noqa: E402
+    TOY,
+    connect,
+    queue_of_large_requests,
+    read_response,
+    requests_counted,
+    rss_mb,
+    sampling_rss,
+    vanishing_clients,
+    with_deadline_of_2s,
+)
 
 ROWS: list[tuple[str, str, str]] = []
 
@@ -122,18 +131,8 @@ def burst(repository: Path, budget_mib: int | None) -> None:
 
 
 def deadline(repository: Path) -> None:
-    import subprocess
-
-    from tests.service.test_overload import _QUEUE
-
     attack = "`X-Request-Timeout-Ms: 2000` behind 64 queued 8 MB requests (one core)"
-    array = np.random.default_rng(1).normal(size=(1, 2000, 64)).tolist()
-    big = json.dumps({"model": "dot_product", "queries": array, "keys": array, "values": array,
-                      "return_weights": False}).encode()
-    with running_service(repository, prefix=("taskset", "-c", "0"), ATTEND_INFERENCE_THREADS="1",
-                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(1 << 30)) as (url, _):
-        queue = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", _QUEUE, url], stdout=subprocess.PIPE,
-                                 text=True)
+    with queue_of_large_requests(repository) as (url, queue):
         waited_for_queue = time.monotonic() + 15
         while time.monotonic() < waited_for_queue:  # until the queue is there: requests held by the service
             metrics = httpx.get(f"{url}/metrics", timeout=10).text
@@ -141,14 +140,7 @@ def deadline(repository: Path) -> None:
                     if x.startswith("attend_requests_in_flight")) >= 16:
                 break
             time.sleep(0.1)
-        sock = connect(url)
-        start = time.monotonic()
-        head = (b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"X-Request-Timeout-Ms: 2000\r\nContent-Length: %d\r\n\r\n" % len(big))
-        threading.Thread(target=lambda: _send_quietly(sock, head + big), daemon=True).start()
-        status = read_response(sock, timeout=30)[0]
-        waited = time.monotonic() - start
-        sock.close()
+        status, _, waited = with_deadline_of_2s(url)
         statuses = json.loads(queue.communicate(timeout=300)[0])
     row(attack, "answer", f"{status} after {waited:.2f} s")
     row(attack, "the queue's own requests", f"{statuses.count(200)} of {len(statuses)} x 200")
@@ -158,22 +150,10 @@ def vanishing(repository: Path, tmp: Path) -> None:
     attack = "200 clients that send half a body, then disconnect"
     log = tmp / "hostile.log"
     with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info") as (url, _):
-        socks = []
-        for _ in range(200):
-            sock = connect(url)
-            sock.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100000\r\n\r\n{\"model\": \"additive\", \"queries\": [[[")
-            socks.append(sock)
-        time.sleep(0.5)
-        for sock in socks:
-            sock.close()
-        time.sleep(1.0)
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = vanishing_clients(url)
     text = log.read_text()
-    counted = {status: sum(float(x.split()[-1]) for x in metrics.splitlines()
-                           if x.startswith("attend_requests_total{") and f'status="{status}"' in x)
-               for status in ("499", "500")}
-    row(attack, "attend_requests_total", f"499: {counted['499']:.0f}, 500: {counted['500']:.0f}")
+    row(attack, "attend_requests_total",
+        f"499: {requests_counted(metrics, '499'):.0f}, 500: {requests_counted(metrics, '500'):.0f}")
     row(attack, "log", f"{text.count('Traceback')} tracebacks, {text.count(' ERROR ')} ERROR lines, "
         f"{text.count(' 499 ')} access lines with 499")
 

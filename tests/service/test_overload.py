@@ -212,35 +212,68 @@ print(json.dumps(codes))
 """
 
 
+@contextlib.contextmanager
+def queue_of_large_requests(repository):
+    """The service on one core (one inference and one ORT thread), and 64 clients on the other core
+    sending it 8 MB requests (~8 s of its work): yields (url, the queue's process)."""
+    import subprocess
+    import sys
+
+    with running_service(repository, prefix=("taskset", "-c", "0"), ATTEND_INFERENCE_THREADS="1",
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(1 << 30)) as (url, _):
+        queue = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", _QUEUE, url], stdout=subprocess.PIPE,
+                                 text=True)
+        yield url, queue
+
+
+def with_deadline_of_2s(url: str) -> tuple[int, bytes, float]:
+    """One more 8 MB request, sent with X-Request-Timeout-Ms: 2000 by a client that reads while it
+    sends (as a browser does: it sees the answer when it comes, even while its body is still going
+    out): (status, body, seconds until the answer)."""
+    array = np.random.default_rng(1).normal(size=(1, 2000, 64)).tolist()
+    big = json.dumps({"model": "dot_product", "queries": array, "keys": array, "values": array,
+                      "return_weights": False}).encode()
+    sock = connect(url)
+    start = time.monotonic()
+    head = (b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Timeout-Ms: 2000\r\nContent-Length: %d\r\n\r\n" % len(big))
+    threading.Thread(target=lambda: _send_quietly(sock, head + big), daemon=True).start()
+    status, _, body = read_response(sock, timeout=30)
+    waited = time.monotonic() - start
+    sock.close()
+    return status, body, waited
+
+
+def vanishing_clients(url: str, count: int = 200) -> str:
+    """`count` clients that send half a body, then close their connections; /metrics afterwards."""
+    socks = []
+    for _ in range(count):
+        sock = connect(url)
+        sock.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"model\": \"additive\", \"queries\": [[[")
+        socks.append(sock)
+    time.sleep(0.5)
+    for sock in socks:
+        sock.close()  # the body never completes
+    time.sleep(1.0)
+    return httpx.get(f"{url}/metrics").text
+
+
+def requests_counted(metrics: str, status: str) -> float:
+    """attend_requests_total of one status, summed over the models."""
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("attend_requests_total{") and f'status="{status}"' in line)
+
+
 def test_a_deadline_covers_every_wait(repository):
     """Behind a queue of large requests (their bodies coming in, their decodes on one decode thread,
     their runs on one core), a request sent with X-Request-Timeout-Ms: 2000 is answered within 2.5 s:
     a 504 if its turn had not come, not when it comes. The queue is sent from another process, so
     that this one's client measures the service and not its own threads. (Each wait, alone and
     certain, is in tests/service/test_batching.py.)"""
-    import subprocess
-    import sys
-
-    array = np.random.default_rng(1).normal(size=(1, 2000, 64)).tolist()
-    big = json.dumps({"model": "dot_product", "queries": array, "keys": array, "values": array,
-                      "return_weights": False}).encode()
-    # The service on one core, the queue's client on the other: the queue is ~8 s of the service's work.
-    with running_service(repository, prefix=("taskset", "-c", "0"), ATTEND_INFERENCE_THREADS="1",
-                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(1 << 30)) as (url, _):
-        queue = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", _QUEUE, url], stdout=subprocess.PIPE,
-                                 text=True)
+    with queue_of_large_requests(repository) as (url, queue):
         time.sleep(1.0)  # the bodies are coming in, their decodes and runs queued
-        # A client that reads while it sends (as a browser does): it sees the answer when it comes,
-        # even while its body is still going out.
-        sock = connect(url)
-        start = time.monotonic()
-        head = (b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"X-Request-Timeout-Ms: 2000\r\nContent-Length: %d\r\n\r\n" % len(big))
-        sender = threading.Thread(target=lambda: _send_quietly(sock, head + big), daemon=True)
-        sender.start()
-        status, _, body = read_response(sock, timeout=30)
-        waited = time.monotonic() - start
-        sock.close()
+        status, body, waited = with_deadline_of_2s(url)
         statuses = json.loads(queue.communicate(timeout=300)[0])
         # Answered within its deadline (and a margin): late, a 504; on time, its answer.
         assert waited < 2.5, (waited, status)
@@ -252,22 +285,10 @@ def test_a_deadline_covers_every_wait(repository):
 def test_clients_that_vanish_are_not_server_errors(repository, tmp_path):
     log = tmp_path / "service.log"
     with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info") as (url, _):
-        socks = []
-        for _ in range(200):
-            sock = connect(url)
-            sock.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100000\r\n\r\n{\"model\": \"additive\", \"queries\": [[[")
-            socks.append(sock)
-        time.sleep(0.5)
-        for sock in socks:
-            sock.close()  # the body never completes
-        time.sleep(1.0)
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = vanishing_clients(url)
     text = log.read_text()
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
-    gone = sum(float(line.split()[-1]) for line in metrics.splitlines()
-               if line.startswith('attend_requests_total{') and 'status="499"' in line)
-    assert gone == 200
+    assert requests_counted(metrics, "499") == 200
     assert not [line for line in metrics.splitlines() if line.startswith('attend_requests_total{')
                 and 'status="500"' in line and not line.endswith(" 0.0")]
 
