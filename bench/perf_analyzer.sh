@@ -3,7 +3,7 @@
 # 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
 #
 #   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 3] [--stability 30]
-#                          [--max-memory-gb 16] [--out FILE]
+#                          [--max-memory-gb 16] [--max-trials 6] [--out FILE]
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
 # as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
@@ -27,6 +27,7 @@ CONCURRENCY="1 2 4 8 16"
 SECONDS_PER_POINT=3
 STABILITY=30
 MAX_MEMORY_GB=16
+MAX_TRIALS=6
 OUT=""
 while [ $# -gt 0 ]; do
     case $1 in
@@ -36,6 +37,7 @@ while [ $# -gt 0 ]; do
         --seconds) SECONDS_PER_POINT=$2; shift 2 ;;
         --stability) STABILITY=$2; shift 2 ;;
         --max-memory-gb) MAX_MEMORY_GB=$2; shift 2 ;;
+        --max-trials) MAX_TRIALS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
@@ -113,7 +115,7 @@ for c in $CONCURRENCY; do
         -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
         --input-tensor-format binary --output-tensor-format binary \
         --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
-        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials 6 \
+        --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials "$MAX_TRIALS" \
         --stability-percentage "$STABILITY" -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 &
     pa=$!
     # Its memory, watched: stopped at MAX_MEMORY_GB rather than left to the kernel's OOM killer,
