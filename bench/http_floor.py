@@ -1,6 +1,8 @@
 """The cost of HTTP alone, on the same pinning as bench/run.py: uvicorn + FastAPI answering
 GET /health/live, and an app that receives each workload's body and answers a response of the
-service's size without doing any work (bench/echo_app.py), both at concurrency 1.
+service's size without doing any work (bench/echo_app.py), at concurrency 1; and W2's binary request
+(786 KB in and out) at concurrency 1 and 16, what the Open Inference Protocol's binary tensors cost
+in HTTP alone.
 
     python bench/http_floor.py [--duration 8]
 """
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run import PIN, SERVER_CPU, service_env, workloads, wrk  # noqa: E402
+from run import PIN, SERVER_CPU, binary_request, service_env, workloads, wrk  # noqa: E402
 
 from service.dataplane import Dataplane  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
@@ -46,13 +48,18 @@ def main() -> int:
         rows.append(("GET /health/live (the service)", "-", f"{rps:.0f}", "-"))
 
     dataplane = Dataplane(Registry.load(args.repository, "cpu", 1), Metrics())
+    echoes = []  # (row label, request body, response body, concurrencies)
     for name, (_, body) in workloads().items():
         raw = json.dumps(body).encode()
-        (tmp / f"{name}.json").write_bytes(raw)
-        response = dataplane.attend(raw)
-        (tmp / f"{name}.response.json").write_bytes(response)
+        echoes.append((f"echo of {name}", raw, dataplane.attend(raw), (1,)))
+    # W2 as Open Inference Protocol binary tensors: 786 KB in, as many bytes out.
+    binary, _ = binary_request(workloads()["W2"][1])
+    echoes.append(("echo of W2 binary", binary, bytes(len(binary)), (1, 16)))
+    for label, raw, response, concurrencies in echoes:
+        (tmp / "request").write_bytes(raw)
+        (tmp / "response").write_bytes(response)
         port = free_port()
-        env = os.environ | {"ECHO_RESPONSE": str(tmp / f"{name}.response.json")}
+        env = os.environ | {"ECHO_RESPONSE": str(tmp / "response")}
         echo = subprocess.Popen(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "uvicorn",
                                  "bench.echo_app:app", "--port", str(port), "--log-level", "warning"],
                                 cwd=ROOT, env=env)
@@ -63,10 +70,11 @@ def main() -> int:
                     break
                 except httpx.HTTPError:
                     time.sleep(0.1)
-            wrk(port, tmp / f"{name}.json", 1, 2)
-            r = wrk(port, tmp / f"{name}.json", 1, args.duration)
-            rows.append((f"echo of {name} (receive {len(raw) / 1024:.0f} KB, send {len(response) / 1024:.0f} KB)",
-                         "1", f"{r['rps']:.0f}", f"{r['p50_us'] / 1e3:.2f}"))
+            for c in concurrencies:
+                wrk(port, tmp / "request", c, 2)
+                r = wrk(port, tmp / "request", c, args.duration)
+                rows.append((f"{label} (receive {len(raw) / 1024:.0f} KB, send {len(response) / 1024:.0f} KB)",
+                             str(c), f"{r['rps']:.0f}", f"{r['p50_us'] / 1e3:.2f}"))
         finally:
             echo.send_signal(signal.SIGTERM)
             echo.wait(timeout=30)
