@@ -385,7 +385,7 @@ def _float32(arr: np.ndarray, field: str, model: LoadedModel, checked: bool = Fa
                            received=list(arr.shape))
     if checked:
         return arr
-    out = arr.astype(np.float32)  # beyond float32's range becomes inf, refused just below
+    out = arr.astype(np.float32, copy=False)  # beyond float32's range becomes inf, refused just below
     if not np.isfinite(out).all():
         raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
     return out

@@ -31,12 +31,21 @@ JSON = b"application/json"
 Headers = list[tuple[bytes, bytes]]
 
 
-async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to be larger than `limit`."""
+async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, claim: Any = None,
+                    aligned_at: int = 0) -> Any:
+    """The body, refused with 413 as soon as it is known to be larger than `limit`. `claim`: the
+    server's way to have it written into one buffer as it comes ("attend.body", where it offers
+    that: service.server.BodySink), the byte at `aligned_at` 64-byte aligned; the body is then a
+    memoryview, not bytes."""
     length = headers.get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"the body has {int(length)} bytes; the limit is {limit}", expected=limit,
                               received=int(length))
+    if claim is not None:
+        body = await claim(aligned_at)
+        if body is None:
+            raise ClientGone("the client disconnected before sending its whole body")
+        return body
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone("the client disconnected before sending its body")
@@ -81,10 +90,24 @@ def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | Non
     return (arrived if arrived is not None else time.monotonic()) + timeout
 
 
-async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON,
+async def send_body(send: Send, status: int, body: bytes | list, headers: Headers, content_type: bytes = JSON,
                     hold: Any = None) -> None:
     """The response, head and body. `hold`: the server's way to send both in one write (see
-    service.server.CoalescingTransport), where it offers one."""
+    service.server.CoalescingTransport), where it offers one. A body given as a list of parts
+    (bytes-like, each of one-byte items) goes out part by part, in the same one write; joined,
+    where the server offers no hold."""
+    if body.__class__ is list:
+        if hold is None or len(body) == 1:
+            body = b"".join(body)
+        else:
+            hold(len(body))
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", content_type),
+                                    (b"content-length", str(sum(map(len, body))).encode()), *headers]})
+            for part in body[:-1]:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            await send({"type": "http.response.body", "body": body[-1]})
+            return
     if hold is not None:
         hold()
     await send({"type": "http.response.start", "status": status,
@@ -147,6 +170,11 @@ class InferenceEndpoint:
         """The model's name for the metrics' label before the body is decoded ("-": not known yet)."""
         return "-"
 
+    def aligned_at(self, headers: dict[bytes, bytes]) -> int | None:
+        """Where a body that `decode` takes as a memoryview should be 64-byte aligned (None: it takes
+        bytes)."""
+        return None
+
     # The rest: the same for every protocol.
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,7 +207,9 @@ class InferenceEndpoint:
         assert task is not None
         timer = loop.call_later(max(until - time.monotonic(), 0), task.cancel)
         try:
-            body = await read_body(receive, headers, self.settings.max_body_bytes)
+            aligned_at = self.aligned_at(headers)
+            claim = None if aligned_at is None else (scope.get("extensions") or {}).get("attend.body")
+            body = await read_body(receive, headers, self.settings.max_body_bytes, claim, aligned_at or 0)
             request = await self.decode(scope, headers, body, until)
             del body  # decoded: the arrays are what the request holds from here (memory in flight)
             return request

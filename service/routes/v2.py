@@ -331,7 +331,7 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
             if binary:
                 blob = np.ascontiguousarray(array, dtype="<f4")
                 entry["parameters"] = {"binary_data_size": blob.nbytes}
-                blobs.append(blob.data)
+                blobs.append(memoryview(blob).cast("B"))
             else:
                 entry["data"] = array.ravel()
             entries.append(entry)
@@ -340,7 +340,8 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
             head["id"] = request_id
         head["outputs"] = entries
         text = orjson.dumps(head, option=_ORJSON)
-        return (b"".join([text, *blobs]), len(text)) if blobs else (text, None)
+        # In parts: the server sends them in one write without joining them (send_body).
+        return ([text, *blobs], len(text)) if blobs else (text, None)
 
     return encode
 
@@ -356,6 +357,11 @@ class InferEndpoint(InferenceEndpoint):
             return "-"
         return name if self.dataplane is not None and self.dataplane.registry.get(name) is not None else "-"
 
+    def aligned_at(self, headers: dict[bytes, bytes]) -> int:
+        # The binary tensors start after the JSON header: read in place where they are aligned.
+        length = headers.get(b"inference-header-content-length")
+        return int(length) if length is not None and length.isdigit() else 0
+
     def check_media_type(self, headers: dict[bytes, bytes]) -> None:
         # tritonclient's sync client sends no Content-Type at all; its aio client application/octet-stream.
         media = media_type(headers)
@@ -363,7 +369,7 @@ class InferEndpoint(InferenceEndpoint):
             raise UnsupportedMediaType(f"Content-Type must be application/json or application/octet-stream, "
                                        f"got {media[:100]}")
 
-    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes,
+    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes | memoryview,
                      until: float) -> tuple[Inference, Encoder]:
         name, version = parse_path(scope["path"])
         model = _model(self.dataplane.registry, name, version)
@@ -431,7 +437,7 @@ class InferEndpoint(InferenceEndpoint):
             raise
         return inference, _encoder(model, wanted, request_id)
 
-    def response(self, content: tuple[bytes, int | None]) -> tuple[bytes, Headers, bytes]:
+    def response(self, content: tuple[bytes | list, int | None]) -> tuple[bytes | list, Headers, bytes]:
         body, header_length = content
         if header_length is None:
             return body, [], JSON
