@@ -23,10 +23,11 @@ def test_perf_analyzer_runs_against_the_service(repository):
                # machine is (at 30% it failed now and then to call its windows stable).
                "--stability", "100"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if result.returncode == 3:
+    if result.returncode == 3 or (result.returncode == 2 and "Failed to obtain stable measurement" in result.stdout):
         # perf_analyzer passed the memory bound (it keeps every response; in full test runs a point
-        # once ran on to 23 GB): once more, and that one must pass.
-        print(result.stderr[-1000:])
+        # once ran on to 23 GB), or a window took over twice the others' latency (once in a full test
+        # run, 4 windows of 1 s at concurrency 1): once more, and that one must pass.
+        print(result.stdout[-1000:], result.stderr[-1000:])
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)

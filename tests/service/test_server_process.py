@@ -163,8 +163,9 @@ def _binary_infer(batch: int, n: int, d: int) -> tuple[bytes, dict]:
 def test_a_client_gone_while_queued_is_dropped_unrun_over_real_http(repository):
     """A request whose client closed its connection while it waited in the queue is dropped before its
     batch runs and counted as 499: the server's own view of the connection (uvicorn's cycle), read by
-    the batching. Long runs on one inference thread keep it waiting: one runs, one waits for the
-    thread, one waits in the queue (seen on /metrics) when it is sent."""
+    the batching. Long runs on one inference thread keep it waiting: it is sent once the batcher is
+    blocked (a long run on the thread, the next taken and waiting for it, seen on /metrics), and its
+    connection closed once it is queued."""
     body, headers = _binary_infer(32, 1024, 64)  # ~0.3 s a run on one thread
     with running_service(repository, ATTEND_INFERENCE_THREADS="1", ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_MAX_WEIGHT_ELEMENTS=str(64 * 1024 * 1024)) as (url, _):
@@ -178,19 +179,31 @@ def test_a_client_gone_while_queued_is_dropped_unrun_over_real_http(repository):
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 30
-        while "attend_queue_depth 1.0" not in httpx.get(f"{url}/metrics").text:
-            assert time.monotonic() < deadline, "no long run ever waited in the queue"
+
+        def taken_and_queued() -> tuple[float, float]:
+            metrics = httpx.get(f"{url}/metrics").text.splitlines()
+            return tuple(sum(float(line.split()[-1]) for line in metrics if line.startswith(name))
+                         for name in ('attend_batch_requests_sum{model="dot_product"}', "attend_queue_depth"))
+
+        # All three in: at least two taken (one running, one waiting for the thread, or both in one
+        # run), so nothing more is taken before a long run ends.
+        while (counts := taken_and_queued())[0] < 2 or sum(counts) < 3:
+            assert time.monotonic() < deadline, f"the long runs never filled the thread and the queue: {counts}"
         toy = json.dumps(toy_request() | {"model": "dot_product", "queries": [[[1.0, 2.0]]] * 2,
                                           "keys": [[[1.0, 0.0]] * 10] * 2}).encode()
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as gone:
             gone.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(toy), toy))
-            time.sleep(0.05)
+            # Closed once it is queued: on a loaded machine the close could otherwise be seen before
+            # its body was read (a 499 too, but with no model's name yet).
+            while sum(taken_and_queued()) < 4:
+                assert time.monotonic() < deadline, "the toy request never joined the queue"
         for thread in threads:
             thread.join()
         assert long_runs == [200] * 3
         metrics = httpx.get(f"{url}/metrics").text
-    assert 'attend_client_gone_total{model="dot_product"} 1.0' in metrics
+    counts = [line for line in metrics.splitlines() if line.startswith(("attend_requests_total", "attend_client_gone"))]
+    assert 'attend_client_gone_total{model="dot_product"} 1.0' in metrics, counts
     assert 'attend_requests_total{model="dot_product",status="499"} 1.0' in metrics
     assert 'attend_batch_requests_count{model="dot_product"} 3.0' in metrics  # the long runs only
