@@ -14,7 +14,11 @@ Where a batch runs (measured on this project's machines, see docs/benchmarks.md)
 thread costs 65 to 90 us, while the book's toy request runs in about 20 us. So a batch whose run is
 predicted (from the runs of its model and length bucket so far) to take less than
 `inline_run_s` runs right on the event loop; larger ones go to long-lived inference threads, so
-the loop keeps reading and decoding requests meanwhile. A batcher is woken by the first request
+the loop keeps reading and decoding requests meanwhile. A request that is alone in the server
+(no other in progress) has nothing to overlap with: it runs on the loop when predicted under
+`alone_inline_run_s`. (W2 in binary tensors, a ~0.7 ms run, alone at concurrency 1: 2097 us of
+server CPU a request through the thread, 1555 us on the loop, measured A/B: the hop, the batcher's
+passes of the loop and the GIL's hand-offs.) A batcher is woken by the first request
 put in its queue and takes its batch one loop iteration later: the requests that arrived in the
 same read of the sockets are decoded and queued by then, so they merge with no waiting at all.
 
@@ -54,6 +58,7 @@ class BatchLimits:
     max_wait_s: float = 0.0  # how long the first request waits for others to fill its batch
     max_queue: int = 256  # requests waiting (all models); more get 503 at once
     inline_run_s: float = 1e-3  # batches predicted to run faster than this run on the event loop
+    alone_inline_run_s: float = 5e-3  # ... and a request alone in the server, faster than this
 
 
 # Asking whether a client has gone: under `python -m service` a read of the connection's state (~1 us),
@@ -288,9 +293,10 @@ class Batcher:
             timer.cancel()
             self._gathering = None
 
-    def _inline(self, jobs: list[Job]) -> bool:
+    def _inline(self, jobs: list[Job], limit: float | None = None) -> bool:
         per_row = self.per_row.get(jobs[0].key)
-        return per_row is not None and per_row * sum(j.rows for j in jobs) < self.limits.inline_run_s
+        return per_row is not None and per_row * sum(j.rows for j in jobs) < (
+            self.limits.inline_run_s if limit is None else limit)
 
     def _learn(self, jobs: list[Job], seconds: float) -> None:
         key, rows = jobs[0].key, sum(j.rows for j in jobs)
@@ -478,7 +484,7 @@ class Scheduler:
                              headers={"Retry-After": "1"})
         batcher = self.batcher_for(job.request.model)
         idle = not batcher.stepping and not batcher.size and not self.paused
-        if idle and alone and batcher._inline([job]):
+        if idle and alone and batcher._inline([job], self.limits.alone_inline_run_s):
             return batcher.run_alone(job)
         loop = self.loop
         job.future = future = loop.create_future()

@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     # Batches whose session run is predicted (from the runs of the same model and length bucket so far)
     # to take less than this run on the event loop; longer ones on an inference thread.
     inline_run_us: int = Field(1000, ge=0)
+    # ... and a request alone in the server (nothing to overlap its run with) when under this.
+    alone_inline_run_us: int = Field(5000, ge=0)
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(batch=self.max_batch, sequence=self.max_sequence, features=self.max_features,
@@ -86,7 +88,8 @@ class Settings(BaseSettings):
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(enabled=self.batching, max_rows=self.max_batch_rows,
                            max_elements=self.max_batch_elements, max_wait_s=self.max_batch_wait_us / 1e6,
-                           max_queue=self.max_queue, inline_run_s=self.inline_run_us / 1e6)
+                           max_queue=self.max_queue, inline_run_s=self.inline_run_us / 1e6,
+                           alone_inline_run_s=self.alone_inline_run_us / 1e6)
 
     # Access. Comma-separated; empty = no keys needed. SecretStr keeps them out of reprs and logs.
     api_keys: SecretStr = SecretStr("")

@@ -236,6 +236,30 @@ async def test_batches_respect_row_and_element_limits(registry, dataplane, limit
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("alone_limit, on_thread", [(1.0, False), (0.0, True)])
+async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, dataplane, alone_limit, on_thread):
+    """Batches never run on the loop here (inline_run_s 0); a request the server says is alone does,
+    once its run is known to take less than alone_inline_run_s. Seen from the thread its encoder runs on."""
+    where = []
+
+    def encode(model, outputs, weights):
+        where.append(threading.current_thread().name.startswith("inference"))
+        return encode_attend(model, outputs, weights)
+
+    scheduler = Scheduler([registry.get(n) for n in registry.names()],
+                          BatchLimits(inline_run_s=0.0, alone_inline_run_s=alone_limit), 1, Metrics())
+    scheduler.start()
+    try:
+        body = json.dumps(toy_request()).encode()
+        first = await scheduler.submit(Job(dataplane.decode(body), time.monotonic() + 5, encode), alone=True)
+        second = await scheduler.submit(Job(dataplane.decode(body), time.monotonic() + 5, encode), alone=True)
+    finally:
+        await scheduler.stop()
+    assert first == second == dataplane.attend(body)
+    assert where == [True, on_thread]  # the first: its run time not known yet
+
+
+@pytest.mark.anyio
 async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
     async with busy(registry, enabled=False) as (scheduler, metrics):
         tasks = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(4)]
