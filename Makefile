@@ -72,7 +72,7 @@ bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit
 	$(PY) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
 
 perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (binary tensors, W2, a concurrency sweep)
-	bash bench/perf_analyzer.sh --concurrency "1 2 4 8 16" --seconds 5
+	bash bench/perf_analyzer.sh --concurrency "1 2 4 8 16"
 
 bench-ray: install-ray $(REPOSITORY)  ## python -m service against Ray Serve (1 and 2 replicas, each ingress mode)
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)

@@ -2,14 +2,17 @@
 # perf_analyzer, Triton's load tool, against the service's Open Inference Protocol: W2 (dot_product,
 # 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
 #
-#   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 3] [--stability 30]
+#   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50]
 #                          [--max-memory-gb 16] [--max-trials 6] [--out FILE]
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
 # as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
 # Python wrapper exits 0 even when the binary cannot start, so the binary is called directly), or 3
 # when perf_analyzer passed --max-memory-gb (it keeps every response it receives, ~1.6 MB a W2
-# request; once in a while a point ran on until the kernel killed it at 23 GB).
+# request; once in a while a point ran on until the kernel killed it at 23 GB). Hence windows of 1 s:
+# at the ~400-600 W2 requests/s the service answers now, 6 windows of 5 s would be ~19 GB of responses.
+# Its stabilisation (the last 3 windows within --stability percent) fails now and then at 30% on a
+# shared 2-core machine, hence 50.
 #
 # perf_analyzer 2.60 comes as a wheel for glibc 2.38 or newer; on Debian 12 (glibc 2.36) pip quietly
 # installs a 2 KB placeholder instead. So the real wheel is downloaded for its platform, and the binary
@@ -24,8 +27,8 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 URL=""
 REPOSITORY=model_repository
 CONCURRENCY="1 2 4 8 16"
-SECONDS_PER_POINT=3
-STABILITY=30
+SECONDS_PER_POINT=1
+STABILITY=50
 MAX_MEMORY_GB=16
 MAX_TRIALS=6
 OUT=""
@@ -151,7 +154,7 @@ print(f"| {row['Concurrency']} | {inferences / 8:.0f} | {inferences:.0f} | {ms['
 EOF
 )
 done
-COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY"
+COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
 TEXT="perf_analyzer $VERSION (\`-i http -b 8\`, binary tensors in and out, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
 
 $TABLE"
