@@ -418,8 +418,11 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._release()
+        # A pipelined request whose headers are in already starts now (uvicorn's pipeline): what
+        # comes next is its body, not headers to time and count.
+        pipelined = bool(self.pipeline)
         super().on_response_complete()
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and not pipelined:
             self._expect_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
