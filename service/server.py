@@ -16,6 +16,10 @@ away with taken away (each limit an ATTEND_* setting, see service/config.py):
 
 Every refusal carries the service's one JSON error body (and Retry-After for overload).
 
+It also offers the inference endpoints two extensions of the ASGI scope: "attend.hold" (a response's
+head and body, or its parts, in one write: `CoalescingTransport`) and "attend.body" (a body with a
+Content-Length written once into one aligned buffer as it arrives: `BodySink`).
+
 `GracefulServer` adds readiness and SIGTERM handling to uvicorn's server (see service/__main__.py);
 `run_workers` runs it in every worker process of ATTEND_WORKERS.
 """
