@@ -293,10 +293,10 @@ class Batcher:
             timer.cancel()
             self._gathering = None
 
-    def _inline(self, jobs: list[Job], limit: float | None = None) -> bool:
+    def _inline(self, jobs: list[Job], limit: float) -> bool:
+        """Whether the jobs' run is predicted to take less than `limit` seconds."""
         per_row = self.per_row.get(jobs[0].key)
-        return per_row is not None and per_row * sum(j.rows for j in jobs) < (
-            self.limits.inline_run_s if limit is None else limit)
+        return per_row is not None and per_row * sum(j.rows for j in jobs) < limit
 
     def _learn(self, jobs: list[Job], seconds: float) -> None:
         key, rows = jobs[0].key, sum(j.rows for j in jobs)
@@ -330,7 +330,7 @@ class Batcher:
         if not jobs:
             return
         self._observe(jobs)
-        if self._inline(jobs):
+        if self._inline(jobs, self.limits.inline_run_s):
             try:
                 results, seconds = run_batch(self.model, jobs, scheduler.metrics)
             except Exception as e:

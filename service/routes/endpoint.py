@@ -96,23 +96,19 @@ async def send_body(send: Send, status: int, body: bytes | list, headers: Header
     service.server.CoalescingTransport), where it offers one. A body given as a list of parts
     (bytes-like, each of one-byte items) goes out part by part, in the same one write; joined,
     where the server offers no hold."""
+    parts: Any = ()
     if body.__class__ is list:
         if hold is None or len(body) == 1:
             body = b"".join(body)
         else:
-            hold(len(body))
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", content_type),
-                                    (b"content-length", str(sum(map(len, body))).encode()), *headers]})
-            for part in body[:-1]:
-                await send({"type": "http.response.body", "body": part, "more_body": True})
-            await send({"type": "http.response.body", "body": body[-1]})
-            return
+            parts, body = body[:-1], body[-1]
     if hold is not None:
-        hold()
+        hold(len(parts) + 1)
+    length = len(body) + sum(map(len, parts)) if parts else len(body)
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+                "headers": [(b"content-type", content_type), (b"content-length", str(length).encode()), *headers]})
+    for part in parts:
+        await send({"type": "http.response.body", "body": part, "more_body": True})
     await send({"type": "http.response.body", "body": body})
 
 

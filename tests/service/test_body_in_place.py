@@ -26,6 +26,7 @@ from service.metrics import Metrics
 from service.routes.v2 import InferEndpoint
 from service.server import BodySink, GuardedProtocol
 from tests.server import free_port, running_service
+from tests.service.test_overload import read_response
 
 pytestmark = pytest.mark.slow
 
@@ -86,23 +87,6 @@ def _head(length: int | None, extra: str = "") -> bytes:
     return f"POST /x HTTP/1.1\r\nHost: t\r\n{size}{extra}\r\n".encode()
 
 
-def _read_response(sock: socket.socket, data: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed after {data!r}"
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    length = int(headers.get("content-length", 0))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        assert chunk
-        rest += chunk
-    return status, headers, rest[:length]
-
-
 BODY = np.random.default_rng(1).integers(0, 256, size=3 * 256 * 1024 + 123, dtype=np.uint8).tobytes()
 DIGEST = hashlib.sha256(BODY).hexdigest()
 
@@ -114,7 +98,7 @@ def test_a_body_sent_in_slow_pieces_arrives_whole_and_aligned(probe_server, alig
         for start in range(0, len(BODY), 100_000):  # the app claims the body before most of it is here
             sock.sendall(BODY[start:start + 100_000])
             time.sleep(0.01)
-        status, _, answer = _read_response(sock)
+        status, _, answer = read_response(sock)
     assert status == 200
     assert json.loads(answer) == {"via": "claim", "type": "memoryview", "aligned": True, "length": len(BODY),
                                   "sha256": DIGEST}
@@ -123,7 +107,7 @@ def test_a_body_sent_in_slow_pieces_arrives_whole_and_aligned(probe_server, alig
 def test_a_body_already_complete_when_claimed(probe_server):
     with socket.create_connection(("127.0.0.1", probe_server)) as sock:
         sock.sendall(_head(1000, "X-Aligned-At: 7\r\n") + BODY[:1000])
-        status, _, answer = _read_response(sock)
+        status, _, answer = read_response(sock)
     assert status == 200
     assert json.loads(answer) == {"via": "claim", "type": "memoryview", "aligned": True, "length": 1000,
                                   "sha256": hashlib.sha256(BODY[:1000]).hexdigest()}
@@ -135,7 +119,7 @@ def test_expect_100_continue_is_answered_before_the_body(probe_server):
         sock.sendall(_head(len(BODY), "Expect: 100-continue\r\n"))
         assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"  # nothing of the body sent yet
         sock.sendall(BODY)
-        status, _, answer = _read_response(sock)
+        status, _, answer = read_response(sock)
     assert status == 200 and json.loads(answer)["sha256"] == DIGEST
 
 
@@ -144,7 +128,7 @@ def test_a_chunked_body_goes_through_receive(probe_server):
         chunks = b"".join(b"%x\r\n%s\r\n" % (len(BODY[i:i + 65536]), BODY[i:i + 65536])
                           for i in range(0, len(BODY), 65536))
         sock.sendall(_head(None) + chunks + b"0\r\n\r\n")
-        status, _, answer = _read_response(sock)
+        status, _, answer = read_response(sock)
     assert status == 200
     assert json.loads(answer) == {"via": "receive", "length": len(BODY), "sha256": DIGEST}
 
@@ -160,7 +144,8 @@ def test_pipelined_requests_each_get_their_own_body(probe_server, split):
         data = b""
         while data.count(b"HTTP/1.1 ") < 2 or not data.endswith(b"}"):
             data += sock.recv(65536)
-        answers = [_read_response(sock, b"HTTP/1.1 " + part) for part in data.split(b"HTTP/1.1 ")[1:]]
+        answers = [(int(part.split(b" ", 1)[0]), None, part.split(b"\r\n\r\n", 1)[1])
+                   for part in data.split(b"HTTP/1.1 ")[1:]]
     assert [a[0] for a in answers] == [200, 200]
     assert [json.loads(a[2])["sha256"] for a in answers] == [hashlib.sha256(b).hexdigest() for b in (first, second)]
 
@@ -280,7 +265,7 @@ def _raw_infer(url: str, pieces: int, pause: float, extra: str = "") -> tuple[in
                 time.sleep(pause)
         except (BrokenPipeError, ConnectionResetError):
             pass  # answered (and the connection closed) before the body was all sent: read why
-        return _read_response(sock)
+        return read_response(sock)
 
 
 def test_binary_request_in_slow_pieces_gives_attends_numbers(service, expected):
