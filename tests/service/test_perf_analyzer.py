@@ -28,9 +28,10 @@ def test_perf_analyzer_runs_against_the_service(repository):
     for _ in range(3):
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
         # perf_analyzer passed the memory bound, or a window took over twice the others' latency
-        # (once in a full test run): again, at most twice more.
+        # (now and then in full test runs): again, at most twice more. The script puts
+        # perf_analyzer's own log on stderr.
         if not (result.returncode == 3 or (result.returncode == 2
-                                           and "Failed to obtain stable measurement" in result.stdout)):
+                                           and "Failed to obtain stable measurement" in result.stderr)):
             break
         print(result.stdout[-1000:], result.stderr[-1000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
