@@ -22,9 +22,10 @@ def test_perf_analyzer_runs_against_the_service(repository):
                # alone it peaks under 1.3 GB. Concurrency 1 and 2 are what this checks; the sweep to 16
                # is `make perf-analyzer`.
                "--seconds", "1", "--max-trials", "3", "--max-memory-gb", "6",
-               # What is tested is that it runs and reports, not how steady this shared
-               # machine is (at 30% it failed now and then to call its windows stable).
-               "--stability", "100"]
+               # What is tested is that it runs and reports, not how steady this shared machine is:
+               # at 30% and at 100% it failed now and then to call its windows stable. 999 (GenAI-Perf's
+               # default) takes the first 3 windows as they come.
+               "--stability", "999"]
     for _ in range(3):
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
         # perf_analyzer passed the memory bound, or a window took over twice the others' latency
