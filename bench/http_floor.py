@@ -1,8 +1,9 @@
 """The cost of HTTP alone, on the same pinning as bench/run.py: uvicorn + FastAPI answering
 GET /health/live, and an app that receives each workload's body and answers a response of the
-service's size without doing any work (bench/echo_app.py), at concurrency 1; and W2's binary request
-(786 KB in and out) at concurrency 1 and 16, what the Open Inference Protocol's binary tensors cost
-in HTTP alone.
+service's size without doing any work (bench/echo_app.py), at concurrency 1 and 16: as a FastAPI
+route (what the plain server's HTTP costs) and as a bare ASGI app (uvicorn's own floor, below which
+no app on uvicorn goes); and W2's binary request (786 KB in and out), what the Open Inference
+Protocol's binary tensors cost in HTTP alone.
 
     python bench/http_floor.py [--duration 8]
 """
@@ -51,17 +52,18 @@ def main() -> int:
     echoes = []  # (row label, request body, response body, concurrencies)
     for name, (_, body) in workloads().items():
         raw = json.dumps(body).encode()
-        echoes.append((f"echo of {name}", raw, dataplane.attend(raw), (1,)))
+        for app, how in (("app", "FastAPI"), ("raw_app", "bare ASGI")):
+            echoes.append((f"echo of {name}, {how}", app, raw, dataplane.attend(raw), (1, 16)))
     # W2 as Open Inference Protocol binary tensors: 786 KB in, as many bytes out.
     binary, _ = binary_request(workloads()["W2"][1])
-    echoes.append(("echo of W2 binary", binary, bytes(len(binary)), (1, 16)))
-    for label, raw, response, concurrencies in echoes:
+    echoes.append(("echo of W2 binary, FastAPI", "app", binary, bytes(len(binary)), (1, 16)))
+    for label, app, raw, response, concurrencies in echoes:
         (tmp / "request").write_bytes(raw)
         (tmp / "response").write_bytes(response)
         port = free_port()
         env = os.environ | {"ECHO_RESPONSE": str(tmp / "response")}
         echo = subprocess.Popen(["taskset", "-c", str(SERVER_CPU), sys.executable, "-m", "uvicorn",
-                                 "bench.echo_app:app", "--port", str(port), "--log-level", "warning"],
+                                 f"bench.echo_app:{app}", "--port", str(port), "--log-level", "warning"],
                                 cwd=ROOT, env=env)
         try:
             for _ in range(100):
