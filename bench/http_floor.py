@@ -49,7 +49,7 @@ def main() -> int:
         rows.append(("GET /health/live (the service)", "-", f"{rps:.0f}", "-"))
 
     dataplane = Dataplane(Registry.load(args.repository, "cpu", 1), Metrics())
-    echoes = []  # (row label, request body, response body, concurrencies)
+    echoes = []  # (row label, the app in bench/echo_app.py, request body, response body, concurrencies)
     for name, (_, body) in workloads().items():
         raw = json.dumps(body).encode()
         for app, how in (("app", "FastAPI"), ("raw_app", "bare ASGI")):
