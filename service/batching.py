@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -271,8 +271,9 @@ class Batcher:
 
     async def _gather(self, group: deque[Job]) -> None:
         """Wait (at most `max_wait_s` after the oldest job came) for more requests to join, while
-        fewer are queued than the server has connections: other clients may be about to send. A
-        server that says it has no other connection is not waited for; one that does not say (a test
+        fewer are queued than the server has busy clients (service.server.BusyConnections: the
+        connections that began a request lately, not idle ones): they may be about to send. A server
+        that says it has no other busy client is not waited for; one that does not say (a test
         client) is waited for the whole `max_wait_s`."""
         connections = self.scheduler.connections
         target = len(connections) if connections is not None else 1 << 30
@@ -410,9 +411,9 @@ class Scheduler:
         if not MULTIPROCESS:
             metrics.queue_depth.set_function(lambda: self.queued)
         self.paused = False
-        # The HTTP server's open connections, where it tells (uvicorn run by python -m service):
+        # The HTTP server's busy clients, where it tells (python -m service: a BusyConnections):
         # how many requests a batch can expect at most.
-        self.connections: set | None = None
+        self.connections: Sized | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         # One batcher (a queue and its task) per snapshot being served: a new version gets its own,
         # and a retired one drains what it holds, then goes.

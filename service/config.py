@@ -54,16 +54,13 @@ class Settings(BaseSettings):
     # ~128K a session run is compute-bound, and merging only adds copies and head-of-line latency.
     max_batch_elements: int = Field(128 * 1024, ge=1, description="padded rows * heads * n_q * n_k")
     # How long a batch's first request may wait for others, while fewer requests are queued than the
-    # server has open connections (with one connection, or one request alone, nothing waits).
-    # Measured (docs/benchmarks.md): at concurrency 16 it merges more requests a run for more
-    # throughput and lower latency; 0 takes only what is queued. uvloop's timers count whole
-    # milliseconds (round(delay * 1000); 0 is call_soon): the default 300 is one more pass of the
-    # event loop, not 300 us. 1000 (a real millisecond) merges ~15 requests a run at concurrency 16
-    # instead of ~6 (W3 +23% requests/s, W1 within noise), but 2-4 busy clients beside idle
-    # keep-alive connections wait it on every batch: less than half the requests/s
-    # (bench/batch_wait.py, docs/benchmarks.md). Kept until a batch can tell busy clients from idle
-    # connections.
-    max_batch_wait_us: int = Field(300, ge=0, description="how long a batch's first request waits for others")
+    # server has busy clients (connections that began a request in the last 20 ms; with one, or one
+    # request alone in the server, nothing waits). 0 takes only what is queued. uvloop's timers count
+    # whole milliseconds (round(delay * 1000); 0 is call_soon): below 500 this is one more pass of the
+    # event loop. Measured (bench/batch_wait.py, docs/benchmarks.md): 1000 merges ~14 requests a run at
+    # concurrency 16 instead of ~6; counted against open connections it cost 2-4 busy clients beside
+    # idle keep-alive connections half their requests/s, against busy clients nothing.
+    max_batch_wait_us: int = Field(1000, ge=0, description="how long a batch's first request waits for others")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
     # Hostile clients and overload (service.server.GuardedProtocol). Health probes are exempt from
     # the load limits: an orchestrator must not restart a busy service.

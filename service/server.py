@@ -37,6 +37,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections import deque
 from types import FrameType
 from typing import Any
 
@@ -177,6 +178,33 @@ class BodySink:
             self.done.set_result(self.view[:self.filled])
 
 
+class BusyConnections:
+    """The connections that began a request in the last `window_s`: the clients a batch can expect
+    more requests from (an idle keep-alive connection is not one). `len()` counts them; each
+    request's start is O(1), expired entries go as new ones come."""
+
+    def __init__(self, window_s: float = 0.02):
+        self.window_s = window_s
+        self._last: dict[Any, float] = {}  # connection -> when its latest request began
+        self._starts: deque[tuple[float, Any]] = deque()
+
+    def touch(self, connection: Any, now: float) -> None:
+        self._last[connection] = now
+        self._starts.append((now, connection))
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        horizon, starts, last = now - self.window_s, self._starts, self._last
+        while starts and starts[0][0] < horizon:
+            when, connection = starts.popleft()
+            if last.get(connection) == when:
+                del last[connection]
+
+    def __len__(self) -> int:
+        self._expire(time.monotonic())
+        return len(self._last)
+
+
 class Guard:
     """The limits, and what the connections of one process hold against them. One sweep every
     `_SWEEP_S` looks at every connection's header and body deadlines (a timer per request cost
@@ -186,6 +214,7 @@ class Guard:
         self.settings = settings
         self.inflight_bytes = 0
         self.protocols: set[GuardedProtocol] = set()
+        self.busy = BusyConnections()
         self._sweeping: asyncio.TimerHandle | None = None
 
     def add(self, protocol: GuardedProtocol) -> None:
@@ -292,7 +321,8 @@ class GuardedProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             # When the request arrived, for its deadline: under load its task may start much later.
             extensions = self.scope.setdefault("extensions", {})
-            extensions["attend.arrived"] = time.monotonic()
+            extensions["attend.arrived"] = arrived = time.monotonic()
+            self.guard.busy.touch(self, arrived)
             extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
             # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the
             # batching for requests that have waited.
@@ -458,10 +488,10 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             state = self.app.state
-            # The requests in progress and the open connections (uvicorn's own sets): the batching
-            # reads how many.
+            # The requests in progress (uvicorn's own set) and the connections with a client busy
+            # sending requests: the batching reads how many.
             state.dataplane.server_tasks = self.server_state.tasks
-            state.scheduler.connections = self.server_state.connections
+            state.scheduler.connections = guard().busy
             # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
             # its default action would end the process).
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)

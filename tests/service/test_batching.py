@@ -19,6 +19,7 @@ from service.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.metrics import Metrics
 from service.runtime import Registry
 from service.schemas import toy_request
+from service.server import BusyConnections
 
 TOLERANCE = 1e-5
 
@@ -257,6 +258,47 @@ async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, da
         await scheduler.stop()
     assert first == second == dataplane.attend(body)
     assert where == [True, on_thread]  # the first: its run time not known yet
+
+
+def test_busy_connections_count_the_clients_with_a_recent_request_not_idle_ones():
+    busy = BusyConnections(window_s=0.05)
+    a, b, c = object(), object(), object()  # and idle connections, which never begin a request
+    now = time.monotonic()
+    busy.touch(a, now - 0.045)  # 5 ms left in the window
+    busy.touch(b, now)
+    busy.touch(b, now)  # the same client again: one
+    assert len(busy) == 2
+    time.sleep(0.02)
+    assert len(busy) == 1  # a's request is older than the window
+    busy.touch(a, time.monotonic())
+    busy.touch(c, time.monotonic())
+    assert len(busy) == 3
+    time.sleep(0.06)
+    busy.touch(c, time.monotonic())
+    assert len(busy) == 1 and len(busy._starts) == 1  # what expired is gone, not only uncounted
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("busy_clients, waits", [(2, False), (3, True)])
+async def test_a_batch_waits_for_busy_clients_only(registry, dataplane, busy_clients, waits):
+    """Two requests queued at once, max_wait 0.3 s: with two busy clients (and any number of idle
+    connections) the batch has all it can expect and runs at once; with a third busy client it
+    waits for that one's request, up to max_wait."""
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_wait_s=0.3), 1, metrics)
+    scheduler.start()
+    scheduler.connections = busy = BusyConnections(window_s=5.0)
+    for _ in range(busy_clients):
+        busy.touch(object(), time.monotonic())
+    try:
+        start = time.monotonic()
+        results = await asyncio.gather(*[scheduler.submit(_job(dataplane)) for _ in range(2)])
+        took = time.monotonic() - start
+    finally:
+        await scheduler.stop()
+    assert all(orjson.loads(r)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]] for r in results)
+    assert runs(metrics, "additive") == 1  # merged either way
+    assert (took >= 0.25) if waits else (took < 0.2), took
 
 
 @pytest.mark.anyio
