@@ -185,7 +185,7 @@ class BusyConnections:
 
     def __init__(self, window_s: float = 0.02):
         self.window_s = window_s
-        self._last: dict[Any, float] = {}  # connection -> when its latest request began
+        self._last: dict[Any, float] = {}  # connection (a key for it) -> when its latest request began
         self._starts: deque[tuple[float, Any]] = deque()
 
     def touch(self, connection: Any, now: float) -> None:
@@ -322,7 +322,7 @@ class GuardedProtocol(HttpToolsProtocol):
             # When the request arrived, for its deadline: under load its task may start much later.
             extensions = self.scope.setdefault("extensions", {})
             extensions["attend.arrived"] = arrived = time.monotonic()
-            self.guard.busy.touch(self, arrived)
+            self.guard.busy.touch(id(self), arrived)  # its id: a closed connection is not kept alive
             extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
             # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the
             # batching for requests that have waited.
