@@ -10,7 +10,8 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 app = FastAPI()
-RESPONSE = open(os.environ["ECHO_RESPONSE"], "rb").read()  # noqa: SIM115
+# Importable without it (bench/guard_cost.py uses `drain`); uvicorn serving this module needs it.
+RESPONSE = open(os.environ["ECHO_RESPONSE"], "rb").read() if "ECHO_RESPONSE" in os.environ else b""  # noqa: SIM115
 
 
 @app.post("/attend")
@@ -20,14 +21,19 @@ async def attend(request: Request) -> Response:
     return Response(RESPONSE, media_type="application/json")
 
 
-async def raw_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """The same without a framework: uvicorn's own floor (httptools, uvloop, one ASGI cycle)."""
-    if scope["type"] != "http":
-        return
+async def drain(receive: Receive) -> None:
+    """Every message of a request's body, read and dropped."""
     more = True
     while more:
         message = await receive()
         more = message.get("more_body", False)
+
+
+async def raw_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The same without a framework: uvicorn's own floor (httptools, uvloop, one ASGI cycle)."""
+    if scope["type"] != "http":
+        return
+    await drain(receive)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(RESPONSE)).encode())]})
     await send({"type": "http.response.body", "body": RESPONSE})

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from echo_app import drain  # noqa: E402
 from run import PIN, machine, wrk  # noqa: E402
 
 from service.schemas import toy_request  # noqa: E402
@@ -31,10 +32,7 @@ PROTOCOLS = {"httptools": "uvicorn.protocols.http.httptools_impl:HttpToolsProtoc
 async def app(scope, receive, send):  # the least an app can do with a POST
     if scope["type"] != "http":
         return
-    more = True
-    while more:
-        message = await receive()
-        more = message.get("more_body", False)
+    await drain(receive)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": b"{}"})
 

@@ -275,8 +275,8 @@ class Batcher:
         connections that began a request lately, not idle ones): they may be about to send. A server
         that says it has no other busy client is not waited for; one that does not say (a test
         client) is waited for the whole `max_wait_s`."""
-        connections = self.scheduler.connections
-        target = len(connections) if connections is not None else 1 << 30
+        busy = self.scheduler.busy_clients
+        target = len(busy) if busy is not None else 1 << 30
         wait = group[0].enqueued + self.limits.max_wait_s - time.monotonic()
         rows = sum(j.rows for j in group)
         head = group[0]
@@ -413,7 +413,7 @@ class Scheduler:
         self.paused = False
         # The HTTP server's busy clients, where it tells (python -m service: a BusyConnections):
         # how many requests a batch can expect at most.
-        self.connections: Sized | None = None
+        self.busy_clients: Sized | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         # One batcher (a queue and its task) per snapshot being served: a new version gets its own,
         # and a retired one drains what it holds, then goes.

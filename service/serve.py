@@ -45,8 +45,8 @@ GRACE_S = Settings.model_fields["grace_period_s"].default
 
 
 class _RequestsInReplica:
-    """What the batching learns from uvicorn under `python -m service` (the requests in progress, the
-    open connections), told from a replica: the /attend requests it is serving now. Serve sends a
+    """What the batching learns from the server under `python -m service` (the requests in progress,
+    the busy clients), told from a replica: the /attend requests it is serving now. Serve sends a
     replica requests one by one, so those are all a batch can wait for: with two in flight and both
     queued there is nobody else to wait for (without this the first of a batch would wait the whole
     ATTEND_MAX_BATCH_WAIT_US), and a request alone runs at once."""
@@ -111,7 +111,7 @@ def build_app() -> _OneRequestId:
         async with lifespan(app):
             requests = _RequestsInReplica(app.state.dataplane)
             app.state.dataplane.server_tasks = requests
-            app.state.scheduler.connections = requests
+            app.state.scheduler.busy_clients = requests
             yield
 
     app.router.lifespan_context = in_replica

@@ -491,7 +491,7 @@ class GracefulServer(uvicorn.Server):
             # The requests in progress (uvicorn's own set) and the connections with a client busy
             # sending requests: the batching reads how many.
             state.dataplane.server_tasks = self.server_state.tasks
-            state.scheduler.connections = guard().busy
+            state.scheduler.busy_clients = guard().busy
             # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
             # its default action would end the process).
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)

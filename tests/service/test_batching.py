@@ -287,7 +287,7 @@ async def test_a_batch_waits_for_busy_clients_only(registry, dataplane, busy_cli
     metrics = Metrics()
     scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_wait_s=0.3), 1, metrics)
     scheduler.start()
-    scheduler.connections = busy = BusyConnections(window_s=5.0)
+    scheduler.busy_clients = busy = BusyConnections(window_s=5.0)
     for _ in range(busy_clients):
         busy.touch(object(), time.monotonic())
     try:
