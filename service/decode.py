@@ -226,11 +226,16 @@ def _string_skeleton(text: str) -> bytes:
     return orjson.dumps(text).translate(None, _NOT_STRUCTURE)
 
 
-def _structure_matches(body: bytes, data: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> bool:
-    """Whether the body with its numbers and blanks taken out is exactly what its parse implies,
-    every array a rectangle of its first path's shape holding numbers only (no row of another
-    length, no array or string or literal where a number belongs). One C pass over the body instead
-    of a walk of every row (~10 us for the book's examples); False sends it the long way."""
+def skeleton(body: bytes) -> bytes:
+    """The body with its numbers and blanks taken out: its layout (b'{"quris":[[,],[,]],...}')."""
+    return body.translate(None, _NOT_STRUCTURE)
+
+
+def _structure_matches(layout: bytes, data: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the body's `skeleton` is exactly what its parse implies, every array a rectangle of
+    its first path's shape holding numbers only (no row of another length, no array or string or
+    literal where a number belongs). One C pass over the body instead of a walk of every row (~10 us
+    for the book's examples); False sends it the long way."""
     parts = []
     for key, value in data.items():
         if key in shapes:
@@ -241,16 +246,19 @@ def _structure_matches(body: bytes, data: dict[str, Any], shapes: dict[str, tupl
             part = b"tru" if value else b"fals"
         elif isinstance(value, str):
             part = _string_skeleton(value)
+        elif value.__class__ in _NUMBERS:  # a version
+            part = b""
         else:
             return False
         parts.append(_string_skeleton(key) + b":" + part)
-    return body.translate(None, _NOT_STRUCTURE) == b"{" + b",".join(parts) + b"}"
+    return layout == b"{" + b",".join(parts) + b"}"
 
 
-def _small_body_arrays(body: bytes, data: dict[str, Any], fields: list[str]
+def _small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
                        ) -> tuple[dict[str, np.ndarray], np.ndarray | None] | None:
-    """The fields' arrays (float32, finite) and the valid lengths (float64), when the whole body
-    passes `_structure_matches` and every number fits float32; else None (the long way names why).
+    """The fields' arrays (float32, finite) and the valid lengths (float64), when the body's
+    `skeleton` passes `_structure_matches` and every number fits float32; else None (the long way
+    names why).
     The numbers of all fields are cast and checked at once: a NumPy call costs ~1 us whatever the
     size, and the book's examples are a few hundred numbers."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -272,7 +280,7 @@ def _small_body_arrays(body: bytes, data: dict[str, Any], fields: list[str]
             lens = np.frombuffer(buffer, dtype=np.float64).reshape(shape)
         else:
             buffers.append(buffer)
-    if not _structure_matches(body, data, shapes):
+    if not _structure_matches(layout, data, shapes):
         return None
     flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
     if not np.isfinite(flat).all():
@@ -479,6 +487,15 @@ def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens
     """The request for `model` from its input tensors (any float dtype, checked and made float32,
     unless the caller did: `finite_float32`) and valid lengths (absent, or any numeric dtype): shapes
     bound against the signature, limits."""
+    feed, (batch, n_q, n_k) = _checked_feed(model, tensors, limits, finite_float32)
+    if "valid_lens" in model.input_names:
+        feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
+    return Request(model=model, feed=feed, return_weights=return_weights)
+
+
+def _checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits, finite_float32: bool
+                  ) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
+    """`build_request`'s feed but the valid lengths, and its (batch, n_q, n_k)."""
     bound: dict[str, int] = {}
     first_seen: dict[str, str] = {}
     feed: dict[str, np.ndarray] = {}
@@ -500,9 +517,7 @@ def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens
         raise InvalidShape(f"queries must have an even feature size d (sine and cosine in pairs), got {bound['d']}",
                            field="queries", expected=[batch, "n", "d (even)"], received=list(feed["queries"].shape))
     _check_limits(limits, model, batch, n_q, n_k, feed)
-    if "valid_lens" in model.input_names:
-        feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
-    return Request(model=model, feed=feed, return_weights=return_weights)
+    return feed, (batch, n_q, n_k)
 
 
 # ------------------------------------------------------------------------------------------ /attend
@@ -535,8 +550,10 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
 
 
 def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = RequestLimits(),
-           body: bytes | None = None) -> Request:
-    """The request for `model` from the parsed body `data` (values simdjson proxies or plain)."""
+           body: bytes | None = None, layout: bytes | None = None) -> Request:
+    """The request for `model` from the parsed body `data` (values simdjson proxies or plain).
+    `layout`: the body's `skeleton`, where the caller has it (a small body whose checks pass then
+    leaves its plan on the model, for the next body of the same layout)."""
     return_weights = data.get("return_weights", True)
     if not isinstance(return_weights, bool):
         raise InvalidRequest(f"return_weights must be true or false, got {json_type(return_weights)}",
@@ -554,10 +571,17 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
         raise InvalidRequest(f"model {model.name} ({model.kind}) takes no valid_lens{_WHY_NOT.get(model.kind, '')}",
                              field="valid_lens", expected=sorted(wanted))
     if body is not None and len(body) <= _SMALL_BODY:
+        if layout is None:
+            layout = skeleton(body)
         fields = [f for f in ARRAY_FIELDS if f in wanted] + (["valid_lens"] if lens is not None else [])
-        small = _small_body_arrays(body, data, fields)
+        small = _small_body_arrays(layout, data, fields)
         if small is not None:
-            return build_request(model, small[0], small[1], return_weights, limits, finite_float32=True)
+            tensors, sent_lens = small
+            feed, lengths = _checked_feed(model, tensors, limits, True)
+            if "valid_lens" in wanted:
+                feed["valid_lens"] = _check_valid_lens(sent_lens, *lengths)
+            _remember(model, layout, data, limits, tensors, sent_lens, lengths)
+            return Request(model=model, feed=feed, return_weights=return_weights)
     arrays = _Arrays({})
     what = "an array of arrays of arrays of numbers (batch, n, features)"
     if model.kind == "masked_softmax":
@@ -581,8 +605,78 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = Request
     set to the model's name once it is known (for the metrics' label)."""
     data = parse(body)
     model = resolve_model(data, registry)
+    layout = None
+    if len(body) <= _SMALL_BODY:
+        layout = skeleton(body)
+        plan = model.body_plans.get(layout)
+        if plan is not None and plan.limits is limits and plan.keys == tuple(data):
+            request = plan.request(model, data)
+            if request is not None:
+                return request
     try:
-        return decode(data, model, limits, body)
+        return decode(data, model, limits, body, layout)
     except ServiceError as e:
         e.model = model.name
         raise
+
+
+# ------------------------------------------------------------------------------------------- plans
+#
+# Clients send the same layout again and again: the same keys, model and shapes, other numbers.
+# Every check of a small body but those of its numbers depends only on its keys and its `skeleton`
+# (the body without numbers and blanks, which fixes every array's shape and that it holds only
+# numbers, and the type of every other value), so a layout that passed them once leaves a plan on
+# the model's snapshot, and the next body of that layout is only parsed, cast and checked for what
+# its numbers can get wrong: finite float32, and whole valid lengths within n_k. (The model and
+# version are resolved from each body, and a body whose numbers fail is decoded the long way,
+# which names the field.) For the book's multi-head example this is ~half the decode's time.
+
+_PLANS_PER_MODEL = 64  # layouts kept a snapshot (at most a small body's size each); then it starts over
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    keys: tuple[str, ...]  # the body's keys, in order (the skeleton strips digits and 'e' from strings)
+    limits: RequestLimits  # what the shapes were checked against
+    arrays: tuple[tuple[str, tuple[int, ...], int, int], ...]  # input, shape, its start and end in the numbers
+    lens_shape: tuple[int, ...] | None  # the valid lengths' shape, where the body has them
+    takes_lens: bool  # the model has a valid_lens input (absent or null: every key valid)
+    lengths: tuple[int, int, int]  # batch, n_q, n_k
+
+    def request(self, model: LoadedModel, data: dict[str, Any]) -> Request | None:
+        """The request from a body of this layout; None where its numbers fail a check."""
+        try:
+            buffers = [data[name].as_buffer(of_type="d") for name, _, _, _ in self.arrays]
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
+        if not np.isfinite(flat).all():
+            return None
+        feed = {name: flat[start:end].reshape(shape) for name, shape, start, end in self.arrays}
+        if self.takes_lens:
+            lens = None
+            if self.lens_shape is not None:
+                try:
+                    lens = np.frombuffer(data["valid_lens"].as_buffer(of_type="d"), dtype=np.float64)
+                except (TypeError, ValueError, RuntimeError):
+                    return None
+                lens = lens.reshape(self.lens_shape)
+            try:
+                feed["valid_lens"] = _check_valid_lens(lens, *self.lengths)
+            except ServiceError:
+                return None
+        return Request(model=model, feed=feed, return_weights=data.get("return_weights", True))
+
+
+def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: RequestLimits,
+              tensors: dict[str, np.ndarray], lens: np.ndarray | None, lengths: tuple[int, int, int]) -> None:
+    """Leave the plan of a small body that passed every check on its model's snapshot."""
+    arrays, start = [], 0
+    for name, array in tensors.items():  # in the order of the body's numbers (_small_body_arrays')
+        arrays.append((name, array.shape, start, start + array.size))
+        start += array.size
+    plans = model.body_plans
+    if len(plans) >= _PLANS_PER_MODEL:
+        plans.clear()
+    plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
+                          "valid_lens" in model.input_names, lengths)

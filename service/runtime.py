@@ -7,6 +7,7 @@ dtypes and shapes) before it is used, and warmed up before the service reports r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -50,6 +51,9 @@ class LoadedModel:
     session: ort.InferenceSession
     provider: str
     cuda_failure: str = ""  # why CUDA was not used, where it was asked for
+    # The layouts of request bodies already checked against this snapshot's signature, by service.decode
+    # (its _Plan): they go with the snapshot, as its signature does.
+    body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:

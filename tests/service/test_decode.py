@@ -1,8 +1,9 @@
-"""The decoder's paths agree: the whole-body structural check (small bodies), the row walk (large
-ones) and the precise walk (Python lists) give the same arrays for every valid body, and every bad
-body gets the same error from each."""
+"""The decoder's paths agree: the whole-body structural check (small bodies), a plan left by an
+earlier body of the same layout, the row walk (large ones) and the precise walk (Python lists) give
+the same arrays for every valid body, and every bad body gets the same error from each."""
 
 import json
+import re
 import zlib
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import service.decode as decode
 from service.errors import ServiceError
 from service.runtime import Registry
-from tests.service.test_bad_input import CASES
+from tests.service.test_bad_input import CASES, TOY
 
 
 @pytest.fixture(scope="module")
@@ -19,19 +20,45 @@ def registry(repository):
     return Registry.load(repository, "cpu", 1)
 
 
+def sibling(body: bytes) -> bytes:
+    """A body of the same layout (keys, shapes, types) with other numbers: every digit but 0 a 1
+    (whole numbers stay whole, and lengths stay within n_k)."""
+    return re.sub(rb"[2-9]", b"1", body)
+
+
+def forget_plans(registry):
+    for name in registry.names():
+        registry.get(name).body_plans.clear()
+
+
+LIMITS = decode.RequestLimits()  # one object: a plan holds for the limits object it was checked against
+
+
+def _result(body, registry, limits=LIMITS):
+    try:
+        request = decode.decode_body(body, registry, limits)
+        return {k: (v.dtype, v.shape, v.tobytes()) for k, v in request.feed.items()} | {
+            "return_weights": request.return_weights, "model": request.model.name}
+    except ServiceError as e:
+        return (type(e).__name__, e.status, e.body())
+
+
 def _paths(monkeypatch, body, registry):
-    """The result (or error) of each path for `body`."""
+    """The result (or error) of each path for `body`; "planned": after a sibling body left its plan
+    (where it passed), and whether it did."""
     results = {}
-    for name, small, walk in (("small-body", 1 << 30, True), ("row walk", 0, True), ("precise", 0, False)):
+    for name, small, walk in (("small-body", 1 << 30, True), ("planned", 1 << 30, True), ("row walk", 0, True),
+                              ("precise", 0, False)):
+        forget_plans(registry)
         monkeypatch.setattr(decode, "_SMALL_BODY", small)
         if not walk:  # no fast array at all: every field the precise way
             monkeypatch.setattr(decode, "_fast_array", lambda node: None)
-        try:
-            request = decode.decode_body(body, registry)
-            results[name] = {k: (v.dtype, v.shape, v.tobytes()) for k, v in request.feed.items()}
-        except ServiceError as e:
-            results[name] = (type(e).__name__, e.status, e.body())
+        if name == "planned":
+            _result(sibling(body), registry)
+            results["had a plan"] = any(registry.get(n).body_plans for n in registry.names())
+        results[name] = _result(body, registry)
     monkeypatch.undo()
+    forget_plans(registry)
     return results
 
 
@@ -72,15 +99,16 @@ def test_every_path_gives_the_same_arrays(registry, monkeypatch, kind, style):
     for _ in range(5):
         body = _random_body(rng, kind, style)
         results = _paths(monkeypatch, body, registry)
-        assert results["small-body"] == results["row walk"] == results["precise"], body[:200]
+        assert results["small-body"] == results["planned"] == results["row walk"] == results["precise"], body[:200]
         assert isinstance(results["small-body"], dict), results["small-body"]
+        assert results["had a plan"], body[:200]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if isinstance(c[1], dict | bytes)], ids=lambda c: c[0])
 def test_every_path_gives_the_same_error(registry, monkeypatch, case):
     body = case[1] if isinstance(case[1], bytes) else json.dumps(case[1]).encode()
     results = _paths(monkeypatch, body, registry)
-    assert results["small-body"] == results["row walk"] == results["precise"]
+    assert results["small-body"] == results["planned"] == results["row walk"] == results["precise"]
 
 
 @pytest.mark.parametrize("body", [
@@ -96,7 +124,7 @@ def test_what_flattening_would_hide_is_caught_by_every_path(registry, monkeypatc
     """as_buffer flattens nested arrays: a row [1, [2]] has two numbers like [1, 2]. The structural
     checks (whole body, or brackets counted) must not let it through."""
     results = _paths(monkeypatch, body, registry)
-    assert results["small-body"] == results["row walk"] == results["precise"]
+    assert results["small-body"] == results["planned"] == results["row walk"] == results["precise"]
 
 
 def test_the_small_body_path_is_taken_for_valid_bodies():
@@ -107,4 +135,74 @@ def test_the_small_body_path_is_taken_for_valid_bodies():
             body = _random_body(rng, kind, style)
             data = decode.parse(body)
             fields = [f for f in ("queries", "keys", "values", "valid_lens") if data.get(f) is not None]
-            assert decode._small_body_arrays(body, data, fields) is not None, body[:200]
+            assert decode._small_body_arrays(decode.skeleton(body), data, fields) is not None, body[:200]
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def _toy(**changes) -> bytes:
+    return json.dumps(TOY | changes).encode()
+
+
+def test_a_plan_is_left_by_a_valid_small_body_and_used_by_the_next_of_its_layout(registry, monkeypatch):
+    forget_plans(registry)
+    model = registry.get("additive")
+    first, second = _toy(), sibling(_toy())
+    expected = _result(second, registry)
+    forget_plans(registry)
+    assert _result(first, registry)["model"] == "additive"
+    assert list(model.body_plans) == [decode.skeleton(first)] == [decode.skeleton(second)]
+    used = []
+    real = decode._Plan.request
+    monkeypatch.setattr(decode._Plan, "request", lambda plan, *a: used.append(plan) or real(plan, *a))
+    assert _result(second, registry) == expected
+    assert len(used) == 1
+    # Another layout (one key row fewer) is decoded the long way, and leaves its own plan.
+    assert isinstance(_result(_toy(keys=TOY["keys"][:1], values=TOY["values"][:1], queries=TOY["queries"][:1],
+                                   valid_lens=[2]), registry), dict)
+    assert len(used) == 1 and len(model.body_plans) == 2
+
+
+def test_what_numbers_can_get_wrong_is_checked_on_a_plan_too(registry):
+    """A layout that passed once: the same keys and shapes with a number that fails gets the long
+    way's own error (the plan's path checks finite float32 and the valid lengths' values; the model
+    and version come from each body)."""
+    base = dict(TOY, version=1)
+    cases = [
+        dict(base, valid_lens=[2, 11]),  # over n_k = 10
+        dict(base, valid_lens=[2, 1.5]),  # not whole
+        dict(base, valid_lens=[-1, 2]),
+        dict(base, version=2),  # not loaded
+        dict(base, version=1.5),
+        dict(base, queries=[[[1e39] * 20]] * 2),  # beyond float32
+        dict(base, keys=[[[1.0, -1e300]] * 10] * 2),
+    ]
+    for body in cases:
+        raw = json.dumps(body).encode()
+        forget_plans(registry)
+        expected = _result(raw, registry)
+        assert isinstance(expected, tuple), body
+        _result(json.dumps(dict(base, version=len(body["queries"]) // 2)).encode(), registry)  # valid, same layout
+        assert registry.get("additive").body_plans, body
+        assert _result(raw, registry) == expected, body
+    forget_plans(registry)
+
+
+def test_a_plan_holds_for_the_limits_it_was_checked_against(registry):
+    forget_plans(registry)
+    body = _toy()
+    assert isinstance(_result(body, registry), dict)
+    small = decode.RequestLimits(batch=1)
+    assert _result(body, registry, small)[:2] == ("PayloadTooLarge", 413)
+    forget_plans(registry)
+
+
+def test_plans_are_bounded(registry):
+    forget_plans(registry)
+    model = registry.get("dot_product")
+    for n in range(1, 3 * decode._PLANS_PER_MODEL):
+        body = {"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n], "values": [[[1.0]] * n]}
+        assert isinstance(_result(json.dumps(body).encode(), registry), dict)
+        assert 1 <= len(model.body_plans) <= decode._PLANS_PER_MODEL
+    forget_plans(registry)
