@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,10 +47,19 @@ class _Formatter(logging.Formatter):
         self._stamp = ""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
-        second = int(record.created)
+        return self._time(record.created, int(record.msecs))
+
+    def _time(self, created: float, msecs: int) -> str:
+        second = int(created)
         if second != self._second:
             self._second, self._stamp = second, time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
-        return f"{self._stamp},{int(record.msecs):03d}"
+        return f"{self._stamp},{msecs:03d}"
+
+    def access_line(self, message: str) -> str:
+        """What `format` makes of an INFO record of service.access logged now, made without the
+        record (making and handling it costs ~12 of the 17 us of a log_access, measured in-process)."""
+        now = time.time()
+        return f"{self._time(now, int((now - int(now)) * 1000))} INFO service.access [{request_id.get()}] {message}\n"
 
     def format(self, record: logging.LogRecord) -> str:
         if record.exc_info or record.exc_text or record.stack_info:
@@ -108,7 +118,8 @@ def configure_logging(level: str) -> None:
     # three times a record, measured with strace), the thread, the caller's file and line.
     logging.logProcesses = logging.logMultiprocessing = logging.logThreads = False
     logging._srcfile = None  # the documented way to skip findCaller (logging's "Optimization" notes)
-    handler = _BatchHandler()
+    global _handler
+    handler = _handler = _BatchHandler()
     handler.setFormatter(_Formatter())
     handler.addFilter(RequestIdFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
@@ -133,9 +144,33 @@ def new_request_id(incoming: bytes | None) -> tuple[str, bytes]:
     return text, text.encode()
 
 
+_handler: _BatchHandler | None = None  # configure_logging's
+
+
+def _only_handler() -> _BatchHandler | None:
+    """configure_logging's handler, when it is the only place an access log record would go (with
+    its own filter only, no other handler or filter on the way): then `log_access` can hand it the
+    line directly. Not, for instance, under pytest's caplog, or after another logging setup."""
+    handler = _handler
+    if handler is None or handler.level > logging.INFO or len(handler.filters) != 1 or access.filters:
+        return None
+    logger: Any = access
+    while logger.parent is not None:
+        if logger.handlers or not logger.propagate:
+            return None
+        logger = logger.parent
+    handlers = logger.handlers
+    return handler if len(handlers) == 1 and handlers[0] is handler else None
+
+
 def log_access(method: str, path: str, status: int, seconds: float) -> None:
     if access.isEnabledFor(logging.INFO):
-        access.info("%s %s %d %.1fms", method, path, status or 499, 1e3 * seconds)
+        handler = _only_handler()
+        if handler is not None:  # the same line as the record's, without the record
+            handler.lines.append(handler.formatter.access_line(  # type: ignore[union-attr]
+                f"{method} {path} {status or 499} {1e3 * seconds:.1f}ms"))
+        else:
+            access.info("%s %s %d %.1fms", method, path, status or 499, 1e3 * seconds)
 
 
 class RequestContext:

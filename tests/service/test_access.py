@@ -1,6 +1,7 @@
 """API keys, CORS and request IDs."""
 
 import logging
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -98,3 +99,46 @@ def test_request_id_in_and_out_and_in_the_logs(client, caplog):
     # Errors carry it too.
     assert client.post("/attend", json={"model": "nope"}, headers={"X-Request-ID": "e-1"}).headers["x-request-id"] \
         == "e-1"
+
+
+def test_the_access_line_written_directly_is_the_records_line(monkeypatch):
+    """Under configure_logging, log_access writes its line without a LogRecord (service.middleware's
+    `_only_handler`); the line is the one the record would have made, and the record's way is
+    taken as soon as anything else could see the record (another handler, a filter)."""
+    from service import middleware
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        middleware.configure_logging("info")
+        handler = middleware._handler
+        assert handler is not None and middleware._only_handler() is handler
+        token = middleware.request_id.set("trace-7")
+        try:
+            middleware.log_access("POST", "/attend", 200, 0.0123)
+            direct = handler.lines.pop()
+            record = logging.LogRecord("service.access", logging.INFO, "", 0, "%s %s %d %.1fms",
+                                       ("POST", "/attend", 200, 12.3), None)
+            record.request_id = "trace-7"
+            made = handler.format(record) + handler.terminator
+            assert direct[24:] == made[24:] == "INFO service.access [trace-7] POST /attend 200 12.3ms\n"
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", direct[:24]), direct
+            # Another handler on the way: the record is made, and both get it.
+            seen: list[logging.LogRecord] = []
+            other = logging.Handler()
+            other.emit = seen.append  # type: ignore[method-assign]
+            middleware.access.addHandler(other)
+            try:
+                assert middleware._only_handler() is None
+                middleware.log_access("POST", "/attend", 422, 0.001)
+            finally:
+                middleware.access.removeHandler(other)
+            assert [r.getMessage() for r in seen] == ["POST /attend 422 1.0ms"]
+            assert handler.lines.pop().endswith("INFO service.access [trace-7] POST /attend 422 1.0ms\n")
+        finally:
+            middleware.request_id.reset(token)
+    finally:
+        middleware.flush_logs()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        middleware._handler = None
