@@ -91,19 +91,28 @@ class Job:
         self.is_disconnected = is_disconnected
         self.enqueued = time.monotonic()
         self.future = future
-        feed = request.feed
-        axes: dict[str, int] = {}
-        for name, named in request.model.named_input_axes:
-            shape = feed[name].shape
-            for i, axis in named:
-                axes[axis] = shape[i]
-        self.axes = axes
-        self.rows = axes["batch"]
-        self.n_q = axes.get("n_q") or axes["n"]
-        # The second length of a run's cost: keys, or for the positional encoding its features.
-        self.n_k = axes.get("n_k") or axes.get("d") or self.n_q
-        features = tuple(size for name, size in axes.items() if name != "batch" and name not in _SEQUENCE)
-        self.key = (features, bucket(self.n_q), bucket(self.n_k))
+        memo = request.memo  # requests of one layout (service.decode's plans) share their sizes
+        sizes = None if memo is None else memo.get("job sizes")
+        if sizes is None:
+            sizes = _sizes(request)
+            if memo is not None:
+                memo["job sizes"] = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key = sizes
+
+
+def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple]:
+    """A Job's axes, rows, n_q, n_k and key, from its request's shapes."""
+    feed = request.feed
+    axes: dict[str, int] = {}
+    for name, named in request.model.named_input_axes:
+        shape = feed[name].shape
+        for i, axis in named:
+            axes[axis] = shape[i]
+    n_q = axes.get("n_q") or axes["n"]
+    # The second length of a run's cost: keys, or for the positional encoding its features.
+    n_k = axes.get("n_k") or axes.get("d") or n_q
+    features = tuple(size for name, size in axes.items() if name != "batch" and name not in _SEQUENCE)
+    return axes, axes["batch"], n_q, n_k, (features, bucket(n_q), bucket(n_k))
 
 
 def _heads(model: LoadedModel) -> int:

@@ -77,6 +77,9 @@ class Request:
     model: LoadedModel
     feed: dict[str, np.ndarray]  # the graph's inputs, valid_lens already 2-D int64
     return_weights: bool
+    # What depends only on the body's layout, shared by the requests of one plan (see _Plan), for the
+    # stages after the decode to keep what they work out from the shapes alone (service.batching.Job).
+    memo: dict[str, Any] | None = None
 
 
 def excerpt(text: str) -> str:
@@ -580,8 +583,8 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
             feed, lengths = _checked_feed(model, tensors, limits, True)
             if "valid_lens" in wanted:
                 feed["valid_lens"] = _check_valid_lens(sent_lens, *lengths)
-            _remember(model, layout, data, limits, tensors, sent_lens, lengths)
-            return Request(model=model, feed=feed, return_weights=return_weights)
+            memo = _remember(model, layout, data, limits, tensors, sent_lens, lengths)
+            return Request(model, feed, return_weights, memo)
     arrays = _Arrays({})
     what = "an array of arrays of arrays of numbers (batch, n, features)"
     if model.kind == "masked_softmax":
@@ -642,9 +645,12 @@ class _Plan:
     lens_shape: tuple[int, ...] | None  # the valid lengths' shape, where the body has them
     takes_lens: bool  # the model has a valid_lens input (absent or null: every key valid)
     lengths: tuple[int, int, int]  # batch, n_q, n_k
+    memo: dict[str, Any]  # Request.memo of this layout's requests
 
     def request(self, model: LoadedModel, data: dict[str, Any]) -> Request | None:
         """The request from a body of this layout; None where its numbers fail a check."""
+        if data[self.arrays[0][0]].__class__ is not simdjson.Array:
+            return None  # parsed the slow way (integers beyond 64 bits): Python lists
         try:
             buffers = [data[name].as_buffer(of_type="d") for name, _, _, _ in self.arrays]
         except (TypeError, ValueError, RuntimeError):
@@ -654,23 +660,35 @@ class _Plan:
             return None
         feed = {name: flat[start:end].reshape(shape) for name, shape, start, end in self.arrays}
         if self.takes_lens:
-            lens = None
-            if self.lens_shape is not None:
-                try:
-                    lens = np.frombuffer(data["valid_lens"].as_buffer(of_type="d"), dtype=np.float64)
-                except (TypeError, ValueError, RuntimeError):
-                    return None
-                lens = lens.reshape(self.lens_shape)
-            try:
-                feed["valid_lens"] = _check_valid_lens(lens, *self.lengths)
-            except ServiceError:
+            lens = self._valid_lens(data)
+            if lens is None:
                 return None
-        return Request(model=model, feed=feed, return_weights=data.get("return_weights", True))
+            feed["valid_lens"] = lens
+        return Request(model, feed, data.get("return_weights", True), self.memo)
+
+    def _valid_lens(self, data: dict[str, Any]) -> np.ndarray | None:
+        """(batch, n_q) int64, or None where the body's lengths are not whole numbers within n_k."""
+        batch, n_q, n_k = self.lengths
+        shape = self.lens_shape
+        if shape is None:  # absent or null
+            return valid_lens_2d(None, batch, n_q, n_k)
+        if len(shape) == 1 and batch * n_q <= 256:  # a few lengths: plain Python beats NumPy's calls
+            values = data["valid_lens"].as_list()
+            for v in values:
+                if v.__class__ is not int and (v.__class__ is not float or not v.is_integer()) or not 0 <= v <= n_k:
+                    return None
+            return np.array([[int(v)] * n_q for v in values], dtype=np.int64)
+        try:
+            lens = np.frombuffer(data["valid_lens"].as_buffer(of_type="d"), dtype=np.float64).reshape(shape)
+            return _check_valid_lens(lens, batch, n_q, n_k)
+        except (TypeError, ValueError, RuntimeError, ServiceError):
+            return None
 
 
 def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: RequestLimits,
-              tensors: dict[str, np.ndarray], lens: np.ndarray | None, lengths: tuple[int, int, int]) -> None:
-    """Leave the plan of a small body that passed every check on its model's snapshot."""
+              tensors: dict[str, np.ndarray], lens: np.ndarray | None, lengths: tuple[int, int, int]
+              ) -> dict[str, Any]:
+    """Leave the plan of a small body that passed every check on its model's snapshot; its memo."""
     arrays, start = [], 0
     for name, array in tensors.items():  # in the order of the body's numbers (_small_body_arrays')
         arrays.append((name, array.shape, start, start + array.size))
@@ -678,5 +696,6 @@ def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: R
     plans = model.body_plans
     if len(plans) >= _PLANS_PER_MODEL:
         plans.clear()
-    plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
-                          "valid_lens" in model.input_names, lengths)
+    plan = plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
+                                 "valid_lens" in model.input_names, lengths, {})
+    return plan.memo

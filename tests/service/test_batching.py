@@ -147,6 +147,26 @@ def test_jobs_group_by_feature_size_and_length_bucket(dataplane):
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 128, 129)] == [1, 2, 4, 4, 8, 128, 256]
 
 
+def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(dataplane):
+    """A layout's requests (service.decode's plans) carry one memo, where the first Job leaves the
+    sizes the others then take: the same as each request's own, and another layout's are its own."""
+    from service.batching import _sizes
+
+    rng = np.random.default_rng(1)
+    for kind in ("dot_product", "additive", "multi_head", "self_attention"):
+        bodies = [make_body(kind, rng, batch=2, n_q=3, n_k=5, form="1d") for _ in range(3)]
+        requests = [dataplane.decode(b) for b in bodies]
+        assert requests[0].memo is not None and all(r.memo is requests[0].memo for r in requests)
+        jobs = [Job(r, 0.0) for r in requests]
+        assert requests[0].memo["job sizes"] is not None
+        for job, request in zip(jobs, requests, strict=True):
+            assert (job.axes, job.rows, job.n_q, job.n_k, job.key) == _sizes(request)
+            assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
+        other = dataplane.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
+        assert other.memo is not requests[0].memo
+        assert (Job(other, 0.0).rows, Job(other, 0.0).n_q) == (1, 9)
+
+
 # --- the scheduler: queue bound, deadlines, gone clients, limits ------------------------------
 
 def _job(dataplane, body=None, timeout=5.0, disconnected=None):
