@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     # event loop. Measured (bench/batch_wait.py, docs/benchmarks.md): 1000 merges ~14 requests a run at
     # concurrency 16 instead of ~6; counted against open connections it cost 2-4 busy clients beside
     # idle keep-alive connections half their requests/s, against busy clients nothing.
-    max_batch_wait_us: int = Field(1000, ge=0, description="how long a batch's first request waits for others")
+    max_batch_wait_us: int = Field(1000, ge=0, description="how long a batch waits for the next request "
+                                   "(while fewer are queued than clients are busy; 5 times this in all)")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
     # Hostile clients and overload (service.server.GuardedProtocol). Health probes are exempt from
     # the load limits: an orchestrator must not restart a busy service.

@@ -48,8 +48,8 @@ class _RequestsInReplica:
     """What the batching learns from the server under `python -m service` (the requests in progress,
     the busy clients), told from a replica: the /attend requests it is serving now. Serve sends a
     replica requests one by one, so those are all a batch can wait for: with two in flight and both
-    queued there is nobody else to wait for (without this the first of a batch would wait the whole
-    ATTEND_MAX_BATCH_WAIT_US), and a request alone runs at once."""
+    queued there is nobody else to wait for (without this the first of a batch would wait
+    ATTEND_MAX_BATCH_WAIT_US at least), and a request alone runs at once."""
 
     __slots__ = ("dataplane",)
 

@@ -321,6 +321,49 @@ async def test_a_batch_waits_for_busy_clients_only(registry, dataplane, busy_cli
     assert (took >= 0.25) if waits else (took < 0.2), took
 
 
+async def _trickle(registry, dataplane, busy_clients, count, gap_s, max_wait_s):
+    """`count` requests, one every `gap_s`, to a scheduler with `busy_clients` busy clients: the
+    seconds from each submit to its answer, and the session runs."""
+    metrics = Metrics()
+    scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(max_wait_s=max_wait_s), 1, metrics)
+    scheduler.start()
+    scheduler.busy_clients = busy = BusyConnections(window_s=30.0)
+    for _ in range(busy_clients):
+        busy.touch(object(), time.monotonic())
+
+    async def one(i):
+        await asyncio.sleep(i * gap_s)
+        start = time.monotonic()
+        body = await scheduler.submit(_job(dataplane, timeout=30))
+        assert orjson.loads(body)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]]
+        return time.monotonic() - start
+
+    try:
+        took = await asyncio.gather(*[one(i) for i in range(count)])
+    finally:
+        await scheduler.stop()
+    return took, runs(metrics, "additive")
+
+
+@pytest.mark.anyio
+async def test_a_batch_waits_while_requests_keep_coming(registry, dataplane):
+    """Seven requests 50 ms apart (300 ms from the first to the last), max_wait 200 ms, eight busy
+    clients: each came within max_wait of the one before, so all seven share one run, which starts
+    max_wait after the last (the eighth never comes)."""
+    took, count = await _trickle(registry, dataplane, busy_clients=8, count=7, gap_s=0.05, max_wait_s=0.2)
+    assert count == 1
+    assert 0.45 <= took[0] < 0.9 and 0.15 <= took[-1] < 0.6, took
+
+
+@pytest.mark.anyio
+async def test_a_batch_waits_at_most_five_times_max_wait(registry, dataplane):
+    """Requests 100 ms apart for 1.3 s, max_wait 200 ms, twenty busy clients: the first batch runs
+    at the cap (five times max_wait after its first request), not when they stop."""
+    took, count = await _trickle(registry, dataplane, busy_clients=20, count=14, gap_s=0.1, max_wait_s=0.2)
+    assert count >= 2
+    assert 0.95 <= took[0] < 1.3, took
+
+
 @pytest.mark.anyio
 async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
     async with busy(registry, enabled=False) as (scheduler, metrics):
