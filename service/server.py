@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import orjson
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 from uvicorn.supervisors import multiprocess
 
 from service.config import Settings, get_settings
@@ -324,6 +324,7 @@ class GuardedProtocol(HttpToolsProtocol):
             extensions["attend.arrived"] = arrived = time.monotonic()
             self.guard.busy.touch(id(self), arrived)  # its id: a closed connection is not kept alive
             extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
+            extensions["attend.respond"] = functools.partial(self._respond, self.cycle)
             # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the
             # batching for requests that have waited.
             extensions["attend.disconnected"] = functools.partial(getattr, self.cycle, "disconnected")
@@ -343,6 +344,48 @@ class GuardedProtocol(HttpToolsProtocol):
             self.app = app
         if self.cycle is not None:
             self.cycle.keep_alive = False
+
+    def _respond(self, cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: Any, length: int) -> bool:
+        """The "attend.respond" extension: a whole response (`body` bytes, or a list of parts sent
+        unjoined; `headers` lower-case, with its Content-Length `length`) written at once, byte for
+        byte as uvicorn's `send` of a start and a body message writes it (its default headers first,
+        `connection: close` when not kept alive; header values checked the same way), and the cycle
+        completed the same way, without the ASGI messages and their checks (~6% of the book's toy
+        request's CPU at concurrency 16). False, with nothing written, where uvicorn's way must be
+        taken: a response begun, a client gone, writes paused, a HEAD request, uvicorn's own access
+        log on."""
+        if cycle.response_started or cycle.disconnected or cycle.flow.write_paused or cycle.access_log \
+                or cycle.scope["method"] == "HEAD":
+            return False
+        for _, value in headers:
+            if HEADER_VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
+        parts = body if body.__class__ is list else (body,)
+        if sum(map(len, parts)) != length:
+            raise RuntimeError("Response content differs from its Content-Length")
+        content = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, *headers):
+            content += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = False
+        cycle.expected_content_length = 0
+        transport = self.transport
+        if len(parts) == 1 and len(parts[0]) <= 64 * 1024:
+            content.append(parts[0])
+            transport.write(b"".join(content))
+        else:  # large, or in parts: not copied to join them
+            transport.flush()  # type: ignore[attr-defined]
+            transport.writelines([b"".join(content), *parts])
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            transport.close()
+        cycle.on_response()
+        return True
 
     def _admission(self) -> str | None:
         """Why the request just parsed is refused for load (None: it is not); a body it is admitted

@@ -91,22 +91,26 @@ def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | Non
 
 
 async def send_body(send: Send, status: int, body: bytes | list, headers: Headers, content_type: bytes = JSON,
-                    hold: Any = None) -> None:
-    """The response, head and body. `hold`: the server's way to send both in one write (see
-    service.server.CoalescingTransport), where it offers one. A body given as a list of parts
-    (bytes-like, each of one-byte items) goes out part by part, in the same one write; joined,
-    where the server offers no hold."""
+                    hold: Any = None, respond: Any = None) -> None:
+    """The response, head and body. `respond`: the server's way to write a whole response at once
+    ("attend.respond", service.server.GuardedProtocol), where it offers one and can; else `hold`:
+    its way to send head and body in one write (see service.server.CoalescingTransport), where it
+    offers one. A body given as a list of parts (bytes-like, each of one-byte items) goes out part
+    by part, in the same one write; joined, where the server offers neither."""
+    listed = body.__class__ is list
+    length = sum(map(len, body)) if listed else len(body)
+    head = [(b"content-type", content_type), (b"content-length", b"%d" % length), *headers]
+    if respond is not None and respond(status, head, body, length):
+        return
     parts: Any = ()
-    if body.__class__ is list:
+    if listed:
         if hold is None or len(body) == 1:
             body = b"".join(body)
         else:
             parts, body = body[:-1], body[-1]
     if hold is not None:
         hold(len(parts) + 1)
-    length = len(body) + sum(map(len, parts)) if parts else len(body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(length).encode()), *headers]})
+    await send({"type": "http.response.start", "status": status, "headers": head})
     for part in parts:
         await send({"type": "http.response.body", "body": part, "more_body": True})
     await send({"type": "http.response.body", "body": body})
@@ -193,9 +197,10 @@ class InferenceEndpoint:
             log_access("POST", scope["path"], status, time.perf_counter() - start)
             request_id.reset(token)
 
-    async def send_error(self, send: Send, error: ServiceError, headers: Headers, hold: Any = None) -> int:
+    async def send_error(self, send: Send, error: ServiceError, headers: Headers, hold: Any = None,
+                         respond: Any = None) -> int:
         extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-        await send_body(send, error.status, self.error_body(error), [*headers, *extra], hold=hold)
+        await send_body(send, error.status, self.error_body(error), [*headers, *extra], hold=hold, respond=respond)
         return error.status
 
     async def _read_and_decode(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
@@ -232,12 +237,13 @@ class InferenceEndpoint:
         dataplane = self.dataplane
         extensions = scope.get("extensions") or {}
         hold = extensions.get("attend.hold")
+        respond = extensions.get("attend.respond")
         # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
         # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
         if dataplane is None or not self.state.serving:
             metrics.model("-").status(503).inc()
             return await self.send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}),
-                                         extra, hold)
+                                         extra, hold, respond)
         model = self.model_of(scope)
         dataplane.in_flight += 1
         dataplane.served_since_trim += 1
@@ -257,11 +263,11 @@ class InferenceEndpoint:
             if isinstance(e, ClientGone):  # not a server error: counted (499, as nginx does), nothing sent
                 metrics.client_gone.labels(e.model or model).inc()
                 return 0
-            return await self.send_error(send, e, extra, hold)
+            return await self.send_error(send, e, extra, hold, respond)
         except Exception:
             log.exception("unhandled error on POST %s", scope["path"][:200])
             metrics.model(model).status(500).inc()
-            return await self.send_error(send, ServiceError("internal server error"), extra, hold)
+            return await self.send_error(send, ServiceError("internal server error"), extra, hold, respond)
         finally:
             dataplane.in_flight -= 1
             if MULTIPROCESS:
@@ -272,5 +278,5 @@ class InferenceEndpoint:
             metrics.worker_served.inc()
         children.latency.observe(time.perf_counter() - start)
         body, more, content_type = self.response(content)
-        await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold)
+        await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
         return 200
