@@ -60,6 +60,9 @@ _EXCERPT = 64  # characters of a client's string quoted back in an error
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
 warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
                         module=r"service\.decode")
+# A plan's finiteness check (a dot product with zeros: NaN as soon as one number is not finite).
+warnings.filterwarnings("ignore", message="invalid value encountered in dot", category=RuntimeWarning,
+                        module=r"service\.decode")
 
 
 @dataclass(frozen=True)
@@ -646,6 +649,7 @@ class _Plan:
     takes_lens: bool  # the model has a valid_lens input (absent or null: every key valid)
     lengths: tuple[int, int, int]  # batch, n_q, n_k
     memo: dict[str, Any]  # Request.memo of this layout's requests
+    zeros: np.ndarray  # float32 zeros, one a number of the arrays
 
     def request(self, model: LoadedModel, data: dict[str, Any]) -> Request | None:
         """The request from a body of this layout; None where its numbers fail a check."""
@@ -656,7 +660,9 @@ class _Plan:
         except (TypeError, ValueError, RuntimeError):
             return None
         flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
-        if not np.isfinite(flat).all():
+        # Every number finite float32: x * 0 is 0 for those, NaN for inf (beyond float32) and NaN.
+        # One call instead of isfinite's two (~2.5 us of a W1 request).
+        if flat.dot(self.zeros) != 0:
             return None
         feed = {name: flat[start:end].reshape(shape) for name, shape, start, end in self.arrays}
         if self.takes_lens:
@@ -697,5 +703,5 @@ def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: R
     if len(plans) >= _PLANS_PER_MODEL:
         plans.clear()
     plan = plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
-                                 "valid_lens" in model.input_names, lengths, {})
+                                 "valid_lens" in model.input_names, lengths, {}, np.zeros(start, dtype=np.float32))
     return plan.memo

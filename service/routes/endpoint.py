@@ -70,7 +70,11 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
 
 def media_type(headers: dict[bytes, bytes]) -> str | None:
     raw = headers.get(b"content-type")
-    return None if raw is None else raw.decode("latin-1").split(";")[0].strip().lower()
+    if raw is None:
+        return None
+    if raw == JSON:  # what nearly every client sends
+        return "application/json"
+    return raw.decode("latin-1").split(";")[0].strip().lower()
 
 
 def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | None = None) -> float:
