@@ -691,6 +691,14 @@ class _Plan:
             return None
 
 
+@functools.lru_cache(maxsize=_PLANS_PER_MODEL)
+def _zeros(size: int) -> np.ndarray:
+    """Read-only float32 zeros, shared by the plans of one size (at most ~128 KB each)."""
+    zeros = np.zeros(size, dtype=np.float32)
+    zeros.flags.writeable = False
+    return zeros
+
+
 def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: RequestLimits,
               tensors: dict[str, np.ndarray], lens: np.ndarray | None, lengths: tuple[int, int, int]
               ) -> dict[str, Any]:
@@ -703,5 +711,5 @@ def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: R
     if len(plans) >= _PLANS_PER_MODEL:
         plans.clear()
     plan = plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
-                                 "valid_lens" in model.input_names, lengths, {}, np.zeros(start, dtype=np.float32))
+                                 "valid_lens" in model.input_names, lengths, {}, _zeros(start))
     return plan.memo
