@@ -18,6 +18,31 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@contextlib.contextmanager
+def uvicorn_in_thread(app, http, **config) -> Iterator[int]:
+    """uvicorn serving `app` with the HTTP protocol class `http` (uvloop, no lifespan) in a thread
+    of this process, on a free port; yields the port, stops the server afterwards."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, loop="uvloop",
+                                           lifespan="off", log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start in time")
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,6 @@ import json
 import shutil
 import socket
 import subprocess
-import threading
 import time
 import types
 
@@ -19,13 +18,12 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-import uvicorn
 
 from service.config import Settings
 from service.metrics import Metrics
 from service.routes.v2 import InferEndpoint
 from service.server import BodySink, GuardedProtocol
-from tests.server import free_port, running_service
+from tests.server import running_service, uvicorn_in_thread
 from tests.service.test_overload import read_response
 
 pytestmark = pytest.mark.slow
@@ -68,18 +66,8 @@ PROBED: list[str] = []
 
 @pytest.fixture(scope="module")
 def probe_server():
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(probe, host="127.0.0.1", port=port, http=GuardedProtocol, loop="uvloop",
-                                           lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(probe, GuardedProtocol) as port:
+        yield port
 
 
 def _head(length: int | None, extra: str = "") -> bytes:

@@ -8,17 +8,14 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
-import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from service.routes.endpoint import send_body
 from service.schemas import toy_request
 from service.server import GuardedProtocol
-from tests.server import free_port, running_service
+from tests.server import running_service, uvicorn_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -60,18 +57,8 @@ class Unlogged(GuardedProtocol):
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=Unlogged, loop="uvloop",
-                                           lifespan="off", log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(app, Unlogged, access_log=False) as port:
+        yield port
 
 
 def _exchange(port: int, raw: bytes, responses: int) -> bytes:
