@@ -558,7 +558,7 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
 def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = RequestLimits(),
            body: bytes | None = None, layout: bytes | None = None) -> Request:
     """The request for `model` from the parsed body `data` (values simdjson proxies or plain).
-    `layout`: the body's `skeleton`, where the caller has it (a small body whose checks pass then
+    `layout`: a small body's `skeleton` (its one structural check; a body whose checks pass then
     leaves its plan on the model, for the next body of the same layout)."""
     return_weights = data.get("return_weights", True)
     if not isinstance(return_weights, bool):
@@ -576,9 +576,7 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
     if lens is not None and "valid_lens" not in wanted:
         raise InvalidRequest(f"model {model.name} ({model.kind}) takes no valid_lens{_WHY_NOT.get(model.kind, '')}",
                              field="valid_lens", expected=sorted(wanted))
-    if body is not None and len(body) <= _SMALL_BODY:
-        if layout is None:
-            layout = skeleton(body)
+    if layout is not None:
         fields = [f for f in ARRAY_FIELDS if f in wanted] + (["valid_lens"] if lens is not None else [])
         small = _small_body_arrays(layout, data, fields)
         if small is not None:
@@ -674,19 +672,12 @@ class _Plan:
 
     def _valid_lens(self, data: dict[str, Any]) -> np.ndarray | None:
         """(batch, n_q) int64, or None where the body's lengths are not whole numbers within n_k."""
-        batch, n_q, n_k = self.lengths
-        shape = self.lens_shape
-        if shape is None:  # absent or null
-            return valid_lens_2d(None, batch, n_q, n_k)
-        if len(shape) == 1 and batch * n_q <= 256:  # a few lengths: plain Python beats NumPy's calls
-            values = data["valid_lens"].as_list()
-            for v in values:
-                if v.__class__ is not int and (v.__class__ is not float or not v.is_integer()) or not 0 <= v <= n_k:
-                    return None
-            return np.array([[int(v)] * n_q for v in values], dtype=np.int64)
         try:
-            lens = np.frombuffer(data["valid_lens"].as_buffer(of_type="d"), dtype=np.float64).reshape(shape)
-            return _check_valid_lens(lens, batch, n_q, n_k)
+            lens = None
+            if self.lens_shape is not None:  # else absent or null: every key
+                lens = np.frombuffer(data["valid_lens"].as_buffer(of_type="d"), dtype=np.float64)
+                lens = lens.reshape(self.lens_shape)
+            return _check_valid_lens(lens, *self.lengths)
         except (TypeError, ValueError, RuntimeError, ServiceError):
             return None
 

@@ -104,7 +104,7 @@ async def send_body(send: Send, status: int, body: bytes | list, headers: Header
     listed = body.__class__ is list
     length = sum(map(len, body)) if listed else len(body)
     head = [(b"content-type", content_type), (b"content-length", b"%d" % length), *headers]
-    if respond is not None and respond(status, head, body, length):
+    if respond is not None and respond(status, head, body):
         return
     parts: Any = ()
     if listed:
