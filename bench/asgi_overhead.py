@@ -76,8 +76,8 @@ async def main_async(args) -> None:
     os.environ.setdefault("PLAIN_REPOSITORY", str(args.repository))
     from plain_server import app as plain
 
-    from service.app import create_app
     from service.config import Settings
+    from service.http.app import create_app
 
     service = create_app(Settings(model_repository=args.repository, device="cpu", intra_op_threads=1,
                                   log_level="info"))

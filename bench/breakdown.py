@@ -1,5 +1,5 @@
 """Where the in-process time of each workload goes: the JSON parse (simdjson), arrays and checks
-(service.decode), the ONNX Runtime session run, and the JSON encode (orjson). One core, one ORT
+(service.protocols.attend), the ONNX Runtime session run, and the JSON encode (orjson). One core, one ORT
 thread.
 
     python bench/breakdown.py
@@ -19,10 +19,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from run import SERVER_CPU, workloads  # noqa: E402
 
-from service.dataplane import Dataplane, encode_attend  # noqa: E402
-from service.decode import parse  # noqa: E402
-from service.metrics import Metrics  # noqa: E402
-from service.runtime import Registry  # noqa: E402
+from service.core.runtime import Registry  # noqa: E402
+from service.protocols.attend import decode_body, encode_attend, parse  # noqa: E402
 
 
 def per_call_ms(f, seconds: float = 2.0) -> float:
@@ -37,15 +35,15 @@ def per_call_ms(f, seconds: float = 2.0) -> float:
 
 def main() -> int:
     os.sched_setaffinity(0, {SERVER_CPU})
-    dataplane = Dataplane(Registry.load(ROOT / "model_repository", "cpu", 1), Metrics())
+    registry = Registry.load(ROOT / "model_repository", "cpu", 1)
     print("| workload | body KB | JSON parse ms | arrays + checks ms | session run ms | encode ms | total ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (_, body) in workloads().items():
         raw = json.dumps(body).encode()
-        request = dataplane.decode(raw)
+        request = decode_body(raw, registry)
         outputs = request.model.run(request.feed)
         parsed = per_call_ms(lambda raw=raw: parse(raw))
-        decode = per_call_ms(lambda raw=raw: dataplane.decode(raw))
+        decode = per_call_ms(lambda raw=raw: decode_body(raw, registry))
         run = per_call_ms(lambda r=request: r.model.run(r.feed))
         enc = per_call_ms(lambda o=outputs, m=request.model: encode_attend(m, o))
         print(f"| {name} | {len(raw) / 1024:.0f} | {parsed:.3f} | {decode - parsed:.3f} | {run:.3f} | {enc:.3f} | "

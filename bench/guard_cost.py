@@ -22,11 +22,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from echo_app import drain  # noqa: E402
 from run import PIN, machine, wrk  # noqa: E402
 
-from service.schemas import toy_request  # noqa: E402
+from service.http.schemas import toy_request  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
 PROTOCOLS = {"httptools": "uvicorn.protocols.http.httptools_impl:HttpToolsProtocol",
-             "guarded": "service.server:GuardedProtocol"}
+             "guarded": "service.http.protocol:GuardedProtocol"}
 
 
 async def app(scope, receive, send):  # the least an app can do with a POST

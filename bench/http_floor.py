@@ -28,9 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from run import PIN, SERVER_CPU, binary_request, service_env, workloads, wrk  # noqa: E402
 
-from service.dataplane import Dataplane  # noqa: E402
-from service.metrics import Metrics  # noqa: E402
-from service.runtime import Registry  # noqa: E402
+from service.core.runtime import Registry  # noqa: E402
+from service.protocols.attend import attend  # noqa: E402
 from tests.server import free_port, running_service  # noqa: E402
 
 
@@ -48,12 +47,12 @@ def main() -> int:
         rps = float(next(x for x in out.stdout.splitlines() if x.startswith("Requests/sec")).split()[-1])
         rows.append(("GET /health/live (the service)", "-", f"{rps:.0f}", "-"))
 
-    dataplane = Dataplane(Registry.load(args.repository, "cpu", 1), Metrics())
+    registry = Registry.load(args.repository, "cpu", 1)
     echoes = []  # (row label, the app in bench/echo_app.py, request body, response body, concurrencies)
     for name, (_, body) in workloads().items():
         raw = json.dumps(body).encode()
         for app, how in (("app", "FastAPI"), ("raw_app", "bare ASGI")):
-            echoes.append((f"echo of {name}, {how}", app, raw, dataplane.attend(raw), (1, 16)))
+            echoes.append((f"echo of {name}, {how}", app, raw, attend(raw, registry), (1, 16)))
     # W2 as Open Inference Protocol binary tensors: 786 KB in, as many bytes out.
     binary, _ = binary_request(workloads()["W2"][1])
     echoes.append(("echo of W2 binary, FastAPI", "app", binary, bytes(len(binary)), (1, 16)))

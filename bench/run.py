@@ -29,10 +29,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.dataplane import Dataplane  # noqa: E402
-from service.metrics import Metrics  # noqa: E402
-from service.runtime import Registry  # noqa: E402
-from service.schemas import toy_request  # noqa: E402
+from service.core.runtime import Registry  # noqa: E402
+from service.http.schemas import toy_request  # noqa: E402
+from service.protocols.attend import attend  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
@@ -62,16 +61,16 @@ def workloads() -> dict[str, tuple[str, dict]]:
 def in_process(repository: Path, bodies: dict[str, bytes], seconds: float) -> dict[str, dict]:
     """Decode + run + encode in this process, one core, one ORT thread: the limit."""
     os.sched_setaffinity(0, {SERVER_CPU})
-    dataplane = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
+    registry = Registry.load(repository, "cpu", 1)
     results = {}
     for name, body in bodies.items():
         for _ in range(20):
-            dataplane.attend(body)
+            attend(body, registry)
         latencies = []
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             start = time.perf_counter()
-            dataplane.attend(body)
+            attend(body, registry)
             latencies.append(time.perf_counter() - start)
         latencies.sort()
         results[name] = {"rps": len(latencies) / sum(latencies), "p50_ms": 1e3 * statistics.median(latencies),

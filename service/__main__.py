@@ -4,12 +4,12 @@ The models are loaded before uvicorn starts, so a repository that cannot be serv
 process with a one-line reason and exit code 1, before any port is open.
 
 SIGHUP: every model whose newest version in the repository is not the one served is loaded and
-swapped in (service.control); what is in flight finishes on the version it started on.
+swapped in (service.core.control); what is in flight finishes on the version it started on.
 
 SIGTERM (and SIGINT): readiness turns 503 at once; the listener closes half a second later (new
 connections are refused from then on); requests in flight and in the batch queue finish; then the
 process exits, within ATTEND_GRACE_PERIOD_S. ATTEND_WORKERS > 1: the same in every worker
-(service.server.run_workers).
+(service.http.server.run_workers).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import sys
 
 import uvicorn
 
-from service.app import create_app, load_registry
 from service.config import get_settings
-from service.middleware import configure_logging
-from service.runtime import StartupError
-from service.server import GracefulServer, raise_file_limit, release_memory_eagerly, run_workers, uvicorn_options
+from service.core.logs import configure_logging
+from service.core.memory import release_memory_eagerly
+from service.core.runtime import StartupError
+from service.http.app import create_app, load_registry
+from service.http.server import GracefulServer, raise_file_limit, run_workers, uvicorn_options
 
 log = logging.getLogger("service")
 

@@ -10,8 +10,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.batching import BatchLimits
-from service.decode import RequestLimits
+from service.core.batching import BatchLimits
+from service.core.request import RequestLimits
 
 
 class Settings(BaseSettings):
@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     max_weight_elements: int = Field(4 * 1024 * 1024, ge=1,
                                      description="batch * heads * n_q * n_k of one request's attention weights")
 
-    # Dynamic batching (service.batching) and backpressure.
+    # Dynamic batching (service.core.batching) and backpressure.
     batching: bool = True
     max_batch_rows: int = Field(64, ge=1)
     # A batch stops growing at this many padded weight elements (rows * heads * n_q * n_k): past
@@ -63,7 +63,7 @@ class Settings(BaseSettings):
     max_batch_wait_us: int = Field(1000, ge=0, description="how long a batch waits for the next request "
                                    "(while fewer are queued than clients are busy; 5 times this in all)")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
-    # Hostile clients and overload (service.server.GuardedProtocol). Health probes are exempt from
+    # Hostile clients and overload (service.http.protocol.GuardedProtocol). Health probes are exempt from
     # the load limits: an orchestrator must not restart a busy service.
     max_connections: int = Field(512, ge=1, description="requests in progress at once; more get 503 + Retry-After")
     max_open_connections: int = Field(4096, ge=1, description="open connections; more are refused at once")
@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     admin_keys: SecretStr = SecretStr("")
     model_control: bool = False
 
-    # Models that change while serving (service.control).
+    # Models that change while serving (service.core.control).
     keep_versions: int = Field(1, ge=1, description="versions of a model that stay loaded")
     poll_s: float = Field(0.0, ge=0, description="reload models whose newest version changed every N seconds; 0: off")
 

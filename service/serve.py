@@ -30,10 +30,10 @@ from fastapi import FastAPI
 from ray import serve
 from starlette.types import Message, Receive, Scope, Send
 
-from service.app import AttendApp, create_app
 from service.config import Settings
-from service.dataplane import Dataplane
-from service.middleware import configure_logging
+from service.core.dataplane import Dataplane
+from service.core.logs import configure_logging
+from service.http.app import AttendApp, create_app
 
 # Sized for the batching: a replica merges only the requests Serve lets it hold at once (Serve's default
 # is 5), so it may hold a full batch of one-row requests (ATTEND_MAX_BATCH_ROWS' default). Fewer than

@@ -209,7 +209,7 @@ STACK_UP=1
 # ------------------------------------------------------------------------------ 6. POST /attend
 phase "POST /attend (toy)"
 "$COMPOSE" exec -T api python -c \
-    "import json; from service.schemas import toy_request; print(json.dumps(toy_request()))" >"$RUN/toy.json"
+    "import json; from service.http.schemas import toy_request; print(json.dumps(toy_request()))" >"$RUN/toy.json"
 python3 - "$port" "$RUN/toy.json" <<'EOF'
 import json, sys, urllib.request
 port, path = sys.argv[1], sys.argv[2]

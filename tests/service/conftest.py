@@ -1,8 +1,8 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
+from service.http.app import create_app
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from service.app import create_app
-from service.middleware import RequestIdFilter
-from service.schemas import toy_request
+from service.core.logs import RequestIdFilter
+from service.http.app import create_app
+from service.http.schemas import toy_request
 
 KEYS = "first-key-123,second-key-456"
 
@@ -102,10 +102,10 @@ def test_request_id_in_and_out_and_in_the_logs(client, caplog):
 
 
 def test_the_access_line_written_directly_is_the_records_line(monkeypatch):
-    """Under configure_logging, log_access writes its line without a LogRecord (service.middleware's
+    """Under configure_logging, log_access writes its line without a LogRecord (service.core.logs'
     `_only_handler`); the line is the one the record would have made, and the record's way is
     taken as soon as anything else could see the record (another handler, a filter)."""
-    from service import middleware
+    from service.core import logs as middleware
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level

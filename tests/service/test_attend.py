@@ -6,7 +6,7 @@ import torch
 
 from export.build import build_module
 from export.repository import default_hyperparameters
-from service.schemas import toy_request
+from service.http.schemas import toy_request
 
 
 def _post(client, body):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.schemas import toy_request
+from service.http.app import create_app
+from service.http.schemas import toy_request
 
 TOY = toy_request()  # additive: queries (2, 1, 20), keys (2, 10, 2), values (2, 10, 4), valid_lens [2, 6]
 

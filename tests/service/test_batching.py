@@ -12,14 +12,15 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.batching import BatchLimits, Job, Scheduler, _same_lengths, bucket, merge, run_batch
-from service.dataplane import Dataplane, encode_attend
-from service.errors import ClientGone, DeadlineExceeded, Overloaded
-from service.metrics import Metrics
-from service.runtime import Registry
-from service.schemas import toy_request
-from service.server import BusyConnections
+from service.core.batching import BatchLimits, Job, Scheduler, _same_lengths, bucket, merge, run_batch
+from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
+from service.core.metrics import Metrics
+from service.core.request import Request
+from service.core.runtime import Registry
+from service.http.app import create_app
+from service.http.protocol import BusyConnections
+from service.http.schemas import toy_request
+from service.protocols.attend import attend, decode_body, encode_attend
 
 TOLERANCE = 1e-5
 
@@ -29,9 +30,23 @@ def registry(repository):
     return Registry.load(repository, "cpu", 1)
 
 
+class Reference:
+    """/attend decoded, and answered, in this thread with no queue (service.protocols.attend): each
+    test's reference."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def decode(self, body: bytes) -> Request:
+        return decode_body(body, self.registry)
+
+    def attend(self, body: bytes) -> bytes:
+        return attend(body, self.registry)
+
+
 @pytest.fixture(scope="module")
-def dataplane(registry):
-    return Dataplane(registry, Metrics())
+def reference(registry):
+    return Reference(registry)
 
 
 @pytest.fixture
@@ -108,9 +123,9 @@ def like_bodies(kind, count, seed=0):
 @pytest.mark.parametrize("lengths", ["mixed", "same"])
 @pytest.mark.parametrize("kind", ["dot_product", "additive", "multi_head", "self_attention", "masked_softmax",
                                   "positional_encoding"])
-def test_one_merged_run_equals_separate_runs(dataplane, kind, lengths):
+def test_one_merged_run_equals_separate_runs(reference, kind, lengths):
     bodies = (mixed_bodies if lengths == "mixed" else like_bodies)(kind, 12, seed=len(kind))
-    requests = [dataplane.decode(b) for b in bodies]
+    requests = [reference.decode(b) for b in bodies]
     jobs = [Job(r, deadline=float("inf"), encode=encode_attend) for r in requests]
     assert _same_lengths(jobs) == (lengths == "same")
     feed = merge(requests[0].model, jobs)
@@ -118,13 +133,13 @@ def test_one_merged_run_equals_separate_runs(dataplane, kind, lengths):
     assert feed[first].shape[0] == sum(j.rows for j in jobs)  # really one run for all
     batched, _ = run_batch(requests[0].model, jobs, Metrics())
     for body, result in zip(bodies, batched, strict=True):
-        assert_same(result, dataplane.attend(body))
+        assert_same(result, reference.attend(body))
 
 
-def test_merged_weights_are_exactly_zero_on_padding(dataplane):
+def test_merged_weights_are_exactly_zero_on_padding(reference):
     rng = np.random.default_rng(3)
-    short = dataplane.decode(make_body("dot_product", rng, 1, 2, 3, "absent"))
-    long = dataplane.decode(make_body("dot_product", rng, 1, 7, 8, "absent"))
+    short = reference.decode(make_body("dot_product", rng, 1, 2, 3, "absent"))
+    long = reference.decode(make_body("dot_product", rng, 1, 7, 8, "absent"))
     jobs = [Job(short, float("inf")), Job(long, float("inf"))]
     feed = merge(short.model, jobs)
     result = short.model.run(feed)
@@ -134,12 +149,12 @@ def test_merged_weights_are_exactly_zero_on_padding(dataplane):
     assert np.all(weights[0, 2:] == 0) and np.all(outputs[0, 2:] == 0)  # its padded queries
 
 
-def test_jobs_group_by_feature_size_and_length_bucket(dataplane):
+def test_jobs_group_by_feature_size_and_length_bucket(reference):
     rng = np.random.default_rng(0)
 
     def key(**kw):
         args = {"batch": 1, "n_q": 2, "n_k": 3, "form": "absent"} | kw
-        return Job(dataplane.decode(make_body("dot_product", rng, **args)), 0.0).key
+        return Job(reference.decode(make_body("dot_product", rng, **args)), 0.0).key
 
     assert key() == key(n_k=4, batch=3)
     assert key() != key(d=7)  # dot_product: other feature sizes, other batches
@@ -147,31 +162,31 @@ def test_jobs_group_by_feature_size_and_length_bucket(dataplane):
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 128, 129)] == [1, 2, 4, 4, 8, 128, 256]
 
 
-def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(dataplane):
-    """A layout's requests (service.decode's plans) carry one memo, where the first Job leaves the
+def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference):
+    """A layout's requests (service.protocols.attend's plans) carry one memo, where the first Job leaves the
     sizes the others then take: the same as each request's own, and another layout's are its own."""
-    from service.batching import _sizes
+    from service.core.batching import _sizes
 
     rng = np.random.default_rng(1)
     for kind in ("dot_product", "additive", "multi_head", "self_attention"):
         bodies = [make_body(kind, rng, batch=2, n_q=3, n_k=5, form="1d") for _ in range(3)]
-        requests = [dataplane.decode(b) for b in bodies]
+        requests = [reference.decode(b) for b in bodies]
         assert requests[0].memo is not None and all(r.memo is requests[0].memo for r in requests)
         jobs = [Job(r, 0.0) for r in requests]
         assert requests[0].memo["job sizes"] is not None
         for job, request in zip(jobs, requests, strict=True):
             assert (job.axes, job.rows, job.n_q, job.n_k, job.key) == _sizes(request)
             assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
-        other = dataplane.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
+        other = reference.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
         assert other.memo is not requests[0].memo
         assert (Job(other, 0.0).rows, Job(other, 0.0).n_q) == (1, 9)
 
 
 # --- the scheduler: queue bound, deadlines, gone clients, limits ------------------------------
 
-def _job(dataplane, body=None, timeout=5.0, disconnected=None):
+def _job(reference, body=None, timeout=5.0, disconnected=None):
     body = body or json.dumps(toy_request()).encode()
-    return Job(dataplane.decode(body), time.monotonic() + timeout, encode_attend, disconnected)
+    return Job(reference.decode(body), time.monotonic() + timeout, encode_attend, disconnected)
 
 
 @contextlib.asynccontextmanager
@@ -193,9 +208,9 @@ def runs(metrics, model):
 
 
 @pytest.mark.anyio
-async def test_full_queue_refuses_at_once_with_retry_after(registry, dataplane):
+async def test_full_queue_refuses_at_once_with_retry_after(registry, reference):
     async with busy(registry, max_queue=2) as (scheduler, _):
-        waiting = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(3)]
+        waiting = [asyncio.create_task(scheduler.submit(_job(reference))) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert waiting[2].done()
         with pytest.raises(Overloaded) as refused:
@@ -208,11 +223,11 @@ async def test_full_queue_refuses_at_once_with_retry_after(registry, dataplane):
 
 
 @pytest.mark.anyio
-async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(registry, dataplane):
+async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(registry, reference):
     async with busy(registry) as (scheduler, metrics):
         start = time.monotonic()
-        late = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=0.05)))
-        patient = asyncio.create_task(scheduler.submit(_job(dataplane, timeout=5)))
+        late = asyncio.create_task(scheduler.submit(_job(reference, timeout=0.05)))
+        patient = asyncio.create_task(scheduler.submit(_job(reference, timeout=5)))
         with pytest.raises(DeadlineExceeded):
             await late
         assert time.monotonic() - start < 1.0  # answered at its deadline, not when a slot frees
@@ -222,12 +237,12 @@ async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(regis
 
 
 @pytest.mark.anyio
-async def test_gone_client_is_dropped_before_its_batch_runs(registry, dataplane):
+async def test_gone_client_is_dropped_before_its_batch_runs(registry, reference):
     async def gone():
         return True
 
     async with busy(registry) as (scheduler, metrics):
-        task = asyncio.create_task(scheduler.submit(_job(dataplane, disconnected=gone)))
+        task = asyncio.create_task(scheduler.submit(_job(reference, disconnected=gone)))
         await asyncio.sleep(0.01)
         scheduler.resume()
         with pytest.raises(ClientGone):
@@ -242,23 +257,23 @@ async def test_gone_client_is_dropped_before_its_batch_runs(registry, dataplane)
     ({"max_elements": 2 * 3 * 3}, 5),  # one request alone already fills a run
     ({}, 1),
 ])
-async def test_batches_respect_row_and_element_limits(registry, dataplane, limits, expected_runs):
+async def test_batches_respect_row_and_element_limits(registry, reference, limits, expected_runs):
     rng = np.random.default_rng(0)
     bodies = [make_body("dot_product", rng, 2, 3, 3, "absent") for _ in range(5)]
     async with busy(registry, **limits) as (scheduler, metrics):
-        tasks = [asyncio.create_task(scheduler.submit(_job(dataplane, b))) for b in bodies]
+        tasks = [asyncio.create_task(scheduler.submit(_job(reference, b))) for b in bodies]
         await asyncio.sleep(0.01)
         scheduler.resume()
         results = await asyncio.gather(*tasks)
         for body, result in zip(bodies, results, strict=True):
-            assert_same(result, dataplane.attend(body))
+            assert_same(result, reference.attend(body))
         assert metrics.batch_rows.labels("dot_product")._sum.get() == 10
         assert runs(metrics, "dot_product") == expected_runs
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("alone_limit, on_thread", [(1.0, False), (0.0, True)])
-async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, dataplane, alone_limit, on_thread):
+async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, reference, alone_limit, on_thread):
     """Batches never run on the loop here (inline_run_s 0); a request the server says is alone does,
     once its run is known to take less than alone_inline_run_s. Seen from the thread its encoder runs on."""
     where = []
@@ -272,11 +287,11 @@ async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, da
     scheduler.start()
     try:
         body = json.dumps(toy_request()).encode()
-        first = await scheduler.submit(Job(dataplane.decode(body), time.monotonic() + 5, encode), alone=True)
-        second = await scheduler.submit(Job(dataplane.decode(body), time.monotonic() + 5, encode), alone=True)
+        first = await scheduler.submit(Job(reference.decode(body), time.monotonic() + 5, encode), alone=True)
+        second = await scheduler.submit(Job(reference.decode(body), time.monotonic() + 5, encode), alone=True)
     finally:
         await scheduler.stop()
-    assert first == second == dataplane.attend(body)
+    assert first == second == reference.attend(body)
     assert where == [True, on_thread]  # the first: its run time not known yet
 
 
@@ -300,7 +315,7 @@ def test_busy_connections_count_the_clients_with_a_recent_request_not_idle_ones(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("busy_clients, waits", [(2, False), (3, True)])
-async def test_a_batch_waits_for_busy_clients_only(registry, dataplane, busy_clients, waits):
+async def test_a_batch_waits_for_busy_clients_only(registry, reference, busy_clients, waits):
     """Two requests queued at once, max_wait 0.3 s: with two busy clients (and any number of idle
     connections) the batch has all it can expect and runs at once; with a third busy client it
     waits for that one's request, up to max_wait."""
@@ -312,7 +327,7 @@ async def test_a_batch_waits_for_busy_clients_only(registry, dataplane, busy_cli
         busy.touch(object(), time.monotonic())
     try:
         start = time.monotonic()
-        results = await asyncio.gather(*[scheduler.submit(_job(dataplane)) for _ in range(2)])
+        results = await asyncio.gather(*[scheduler.submit(_job(reference)) for _ in range(2)])
         took = time.monotonic() - start
     finally:
         await scheduler.stop()
@@ -321,7 +336,7 @@ async def test_a_batch_waits_for_busy_clients_only(registry, dataplane, busy_cli
     assert (took >= 0.25) if waits else (took < 0.2), took
 
 
-async def _trickle(registry, dataplane, busy_clients, count, gap_s, max_wait_s):
+async def _trickle(registry, reference, busy_clients, count, gap_s, max_wait_s):
     """`count` requests, one every `gap_s`, to a scheduler with `busy_clients` busy clients: the
     seconds from each submit to its answer, and the session runs."""
     metrics = Metrics()
@@ -334,7 +349,7 @@ async def _trickle(registry, dataplane, busy_clients, count, gap_s, max_wait_s):
     async def one(i):
         await asyncio.sleep(i * gap_s)
         start = time.monotonic()
-        body = await scheduler.submit(_job(dataplane, timeout=30))
+        body = await scheduler.submit(_job(reference, timeout=30))
         assert orjson.loads(body)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]]
         return time.monotonic() - start
 
@@ -346,28 +361,28 @@ async def _trickle(registry, dataplane, busy_clients, count, gap_s, max_wait_s):
 
 
 @pytest.mark.anyio
-async def test_a_batch_waits_while_requests_keep_coming(registry, dataplane):
+async def test_a_batch_waits_while_requests_keep_coming(registry, reference):
     """Seven requests 50 ms apart (300 ms from the first to the last), max_wait 200 ms, eight busy
     clients: each came within max_wait of the one before, so all seven share one run, which starts
     max_wait after the last (the eighth never comes)."""
-    took, count = await _trickle(registry, dataplane, busy_clients=8, count=7, gap_s=0.05, max_wait_s=0.2)
+    took, count = await _trickle(registry, reference, busy_clients=8, count=7, gap_s=0.05, max_wait_s=0.2)
     assert count == 1
     assert 0.45 <= took[0] < 0.9 and 0.15 <= took[-1] < 0.6, took
 
 
 @pytest.mark.anyio
-async def test_a_batch_waits_at_most_five_times_max_wait(registry, dataplane):
+async def test_a_batch_waits_at_most_five_times_max_wait(registry, reference):
     """Requests 100 ms apart for 1.3 s, max_wait 200 ms, twenty busy clients: the first batch runs
     at the cap (five times max_wait after its first request), not when they stop."""
-    took, count = await _trickle(registry, dataplane, busy_clients=20, count=14, gap_s=0.1, max_wait_s=0.2)
+    took, count = await _trickle(registry, reference, busy_clients=20, count=14, gap_s=0.1, max_wait_s=0.2)
     assert count >= 2
     assert 0.95 <= took[0] < 1.3, took
 
 
 @pytest.mark.anyio
-async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
+async def test_batching_off_runs_one_request_at_a_time(registry, reference):
     async with busy(registry, enabled=False) as (scheduler, metrics):
-        tasks = [asyncio.create_task(scheduler.submit(_job(dataplane))) for _ in range(4)]
+        tasks = [asyncio.create_task(scheduler.submit(_job(reference))) for _ in range(4)]
         await asyncio.sleep(0.01)
         scheduler.resume()
         await asyncio.gather(*tasks)
@@ -376,7 +391,7 @@ async def test_batching_off_runs_one_request_at_a_time(registry, dataplane):
 
 # --- over HTTP: many different concurrent requests, each equal to its own unbatched answer ----
 
-def test_concurrent_requests_are_merged_and_each_gets_its_own_answer(settings, dataplane):
+def test_concurrent_requests_are_merged_and_each_gets_its_own_answer(settings, reference):
     wait = settings.model_copy(update={"max_batch_wait_us": 20_000, "inference_threads": 1})
     bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax",
                              "positional_encoding") for b in mixed_bodies(kind, 10, seed=7)]
@@ -389,7 +404,7 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_answer(settings, d
         metrics = client.get("/metrics").text
     for body, response in zip(bodies, responses, strict=True):
         assert response.status_code == 200, response.text
-        assert_same(response.content, dataplane.attend(body))
+        assert_same(response.content, reference.attend(body))
     # Some session runs really merged several requests.
     runs = sum(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("attend_batch_requests_count"))
@@ -505,12 +520,12 @@ async def test_a_deadline_passing_while_the_decode_thread_is_busy_is_504_and_nev
     thread comes free the decode is not started."""
     small = settings.model_copy(update={"inline_decode_bytes": 100, "inference_threads": 1})
     async with _started(small) as app:
-        dataplane = app.state.dataplane
+        endpoint = app.state.attend
         decoded = []
-        original = dataplane.decode
-        dataplane.decode = lambda body: decoded.append(len(body)) or original(body)
+        original = endpoint._decode
+        endpoint._decode = lambda body: decoded.append(len(body)) or original(body)
         release = threading.Event()
-        dataplane._decoder.submit(release.wait)  # the one decode thread, busy
+        app.state.dataplane._decoder.submit(release.wait)  # the one decode thread, busy
         body = json.dumps(toy_request()).encode()
         start = time.monotonic()
         sent = await _asgi(app, body, headers=[(b"x-request-timeout-ms", b"300")])

@@ -1,4 +1,4 @@
-"""A large request body written into one buffer as it arrives (service.server.BodySink, offered to
+"""A large request body written into one buffer as it arrives (service.http.protocol.BodySink, offered to
 the endpoints as the "attend.body" extension) instead of uvicorn's bytearray, its bytes objects and
 a join; the binary tensors of an Open Inference Protocol request read in place, and a binary
 response sent in parts without joining them. Real uvicorn with the service's protocol, real sockets."""
@@ -20,9 +20,9 @@ import orjson
 import pytest
 
 from service.config import Settings
-from service.metrics import Metrics
-from service.routes.v2 import InferEndpoint
-from service.server import BodySink, GuardedProtocol
+from service.core.metrics import Metrics
+from service.http.protocol import BodySink, GuardedProtocol
+from service.http.routes.v2 import InferEndpoint
 from tests.server import running_service, uvicorn_in_thread
 from tests.service.test_overload import read_response
 
@@ -168,8 +168,8 @@ def test_the_sink_places_the_aligned_byte(aligned_at):
 
 def test_binary_tensors_of_an_aligned_body_are_read_in_place(repository):
     """What the alignment is for: the inputs ONNX Runtime gets are views of the body, not copies."""
-    from service.dataplane import Dataplane
-    from service.runtime import Registry
+    from service.core.dataplane import Dataplane
+    from service.core.runtime import Registry
 
     x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
     inputs = [{"name": n, "datatype": "FP32", "shape": list(x.shape), "parameters": {"binary_data_size": x.nbytes}}

@@ -9,9 +9,9 @@ import zlib
 import numpy as np
 import pytest
 
-import service.decode as decode
-from service.errors import ServiceError
-from service.runtime import Registry
+import service.protocols.attend as decode
+from service.core.errors import ServiceError
+from service.core.runtime import Registry
 from tests.service.test_bad_input import CASES, TOY
 
 

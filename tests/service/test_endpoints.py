@@ -6,10 +6,10 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
-from service.runtime import Registry, StartupError
-from service.schemas import toy_request
+from service.core.runtime import Registry, StartupError
+from service.http.app import create_app
+from service.http.schemas import toy_request
 
 
 def test_models_lists_every_model_with_its_provider(client):
@@ -110,7 +110,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
 
 
 def test_the_service_does_not_import_torch():
-    code = "import sys, service.app, service.__main__; print('torch' in sys.modules)"
+    code = "import sys, service.http.app, service.__main__; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.schemas import toy_request
+from service.http.app import create_app
+from service.http.schemas import toy_request
 
 TOY = toy_request()
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.runtime import Registry, StartupError
+from service.core.runtime import Registry, StartupError
+from service.http.app import create_app
 from tests.server import ROOT, running_service
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.schemas import toy_request
+from service.http.schemas import toy_request
 from tests.server import running_service
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from service.app import create_app
-from service.routes.page import STATIC_DIR
+from service.http.app import create_app
+from service.http.routes.page import STATIC_DIR
 
 
 @pytest.fixture(scope="module")

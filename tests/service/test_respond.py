@@ -1,5 +1,5 @@
 """A whole response written at once by the service's protocol ("attend.respond",
-service.server.GuardedProtocol._respond) instead of uvicorn's two ASGI messages: the same bytes on
+service.http.protocol.GuardedProtocol._respond) instead of uvicorn's two ASGI messages: the same bytes on
 the wire as uvicorn's own `send` makes, the connection kept alive, closed or pipelined the same way.
 Real uvicorn with the service's protocol, real sockets; then the real service process."""
 
@@ -12,9 +12,9 @@ import socket
 import numpy as np
 import pytest
 
-from service.routes.endpoint import send_body
-from service.schemas import toy_request
-from service.server import GuardedProtocol
+from service.http.extensions import send_body
+from service.http.protocol import GuardedProtocol
+from service.http.schemas import toy_request
 from tests.server import running_service, uvicorn_in_thread
 
 pytestmark = pytest.mark.slow

@@ -18,12 +18,11 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
-from service.dataplane import Dataplane
-from service.metrics import Metrics
-from service.runtime import Registry
-from service.schemas import toy_request
+from service.core.runtime import Registry
+from service.http.app import create_app
+from service.http.schemas import toy_request
+from service.protocols.attend import attend
 from tests.server import ROOT, free_port
 from tests.service.test_bad_input import CASES
 from tests.service.test_batching import assert_same, mixed_bodies
@@ -132,7 +131,7 @@ def test_the_config_files_are_valid_serve_configs():
 def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repository):
     """The book's examples and random shapes of every kind (every valid-lengths form), 16 at once so that
     the replicas merge them: each answer is its own unbatched in-process answer (1e-5, masks exact)."""
-    alone = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
+    registry = Registry.load(repository, "cpu", 1)
     bodies = book_examples() + [b for kind in KINDS for b in mixed_bodies(kind, 16, seed=23)]
     with httpx.Client(base_url=serve_url, timeout=60, limits=httpx.Limits(max_connections=16)) as http:
         def send(body: bytes) -> httpx.Response:
@@ -142,7 +141,7 @@ def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repositor
             responses = list(pool.map(send, bodies))
     for body, response in zip(bodies, responses, strict=True):
         assert response.status_code == 200, response.text
-        assert_same(response.content, alone.attend(body))
+        assert_same(response.content, attend(body, registry))
     toy = json.loads(responses[0].content)
     np.testing.assert_allclose(toy["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
 
@@ -174,7 +173,7 @@ def test_a_killed_replica_is_replaced_and_every_request_answered(serve_url, repo
     a 503, and a 500 that is Serve's own (plain text, no JSON: the request was inside the killed
     process); the app's own 500 (JSON) never comes, nor any other status."""
     body = json.dumps(toy_request()).encode()
-    want = Dataplane(Registry.load(repository, "cpu", 1), Metrics()).attend(body)
+    want = attend(body, Registry.load(repository, "cpu", 1))
     before = replica_pids()
     assert len(before) == 2
     answered, retries, failures = Counter(), Counter(), []

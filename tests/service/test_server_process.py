@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.schemas import toy_request
+from service.http.schemas import toy_request
 from tests.server import ROOT, running_service
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_the_server_runs_uvloop_and_httptools(repository, tmp_path):
     assert "uvicorn on uvloop.Loop with GuardedProtocol" in log.read_text()  # httptools, guarded (service.server)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from service.server import GuardedProtocol
+    from service.http.protocol import GuardedProtocol
 
     assert issubclass(GuardedProtocol, HttpToolsProtocol)
 
@@ -92,14 +92,13 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
     session runs really merged several requests."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from service.dataplane import Dataplane
-    from service.metrics import Metrics
-    from service.runtime import Registry
+    from service.core.runtime import Registry
+    from service.protocols.attend import attend
     from tests.service.test_batching import assert_same, mixed_bodies
 
     bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention")
               for b in mixed_bodies(kind, 24, seed=11)]
-    alone = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
+    registry = Registry.load(repository, "cpu", 1)
     with running_service(repository) as (url, _):
         with httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_connections=32)) as http:
             def send(body):
@@ -110,7 +109,7 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
                     responses = list(pool.map(send, bodies))
                 for body, response in zip(bodies, responses, strict=True):
                     assert response.status_code == 200, response.text
-                    assert_same(response.content, alone.attend(body))
+                    assert_same(response.content, attend(body, registry))
             metrics = http.get("/metrics").text
     def total(name):
         return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
@@ -123,7 +122,7 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
 def test_a_response_goes_out_in_one_write(repository, tmp_path):
     """The status line, headers and body of an /attend response (200 or an error) leave in one system
-    call (service.server.CoalescingTransport), not uvicorn's two: seen with strace on the real process."""
+    call (service.http.protocol.CoalescingTransport), not uvicorn's two: seen with strace on the real process."""
     trace = tmp_path / "writes.txt"
     with running_service(repository) as (url, proc), httpx.Client(base_url=url, timeout=30) as http:
         assert http.post("/attend", json=toy_request()).status_code == 200

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 
 from export.repository import KINDS, read_config
-from service.schemas import toy_request
+from service.http.schemas import toy_request
 from tests.server import running_service
 from tests.service.test_batching import make_body
 

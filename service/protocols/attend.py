@@ -30,78 +30,39 @@ import numpy as np
 import orjson
 import simdjson
 
-from export.repository import TensorSpec, valid_lens_2d
-from service.errors import (
+from service.core.errors import (
+    _EXCERPT,
     InvalidJSON,
     InvalidRequest,
     InvalidShape,
     ModelNotFound,
     ModelUnavailable,
-    PayloadTooLarge,
     ServiceError,
+    excerpt,
+    json_type,
 )
-from service.runtime import LoadedModel, Registry
+from service.core.request import Request, RequestLimits, _check_valid_lens, _checked_feed, _pattern, build_request
+from service.core.runtime import LoadedModel, Registry
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values", "scores")
 FIELDS = ("model", "version", *ARRAY_FIELDS, "valid_lens", "return_weights")
-SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})
 _WHY_NOT = {
     "self_attention": ": its keys and values are the queries",
     "positional_encoding": ": it adds P to the queries",
     "masked_softmax": ": it takes the scores",
 }
 _FIELD_SET = frozenset(FIELDS)
-_F32_MAX = float(np.finfo(np.float32).max)
+DEFAULT_LIMITS = RequestLimits()
 _MAX_DEPTH = 8
 _NUMBERS = frozenset({int, float})
-_EXCERPT = 64  # characters of a client's string quoted back in an error
 # Numbers beyond float32's range become inf in the cast and are refused just after; NumPy's warning
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
 warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
-                        module=r"service\.decode")
+                        module=r"service\.(protocols\.attend|core\.request)")
 # A plan's finiteness check (a dot product with zeros: NaN as soon as one number is not finite).
 warnings.filterwarnings("ignore", message="invalid value encountered in dot", category=RuntimeWarning,
-                        module=r"service\.decode")
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for (ATTEND_MAX_*); beyond it: 413 naming the limit."""
-
-    batch: int = 1024
-    sequence: int = 4096
-    features: int = 4096
-    weight_elements: int = 4 * 1024 * 1024
-
-
-@dataclass
-class Request:
-    model: LoadedModel
-    feed: dict[str, np.ndarray]  # the graph's inputs, valid_lens already 2-D int64
-    return_weights: bool
-    # What depends only on the body's layout, shared by the requests of one plan (see _Plan), for the
-    # stages after the decode to keep what they work out from the shapes alone (service.batching.Job).
-    memo: dict[str, Any] | None = None
-
-
-def excerpt(text: str) -> str:
-    """A client's string as quoted in an error: at most a short prefix of it."""
-    return repr(text) if len(text) <= _EXCERPT else repr(text[:_EXCERPT]) + f"... ({len(text)} characters)"
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list | simdjson.Array):
-        return "an array"
-    return "an object"
+                        module=r"service\.protocols\.attend")
 
 
 # ----------------------------------------------------------------------------------------- parsing
@@ -384,148 +345,6 @@ def _array(node: Any, field: str, what: str, arrays: _Arrays) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ checks
 
 
-def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
-    spec = next(s for s in model.inputs() if s.name == field)
-    bound = bound or {}
-    return [bound.get(d, d) if isinstance(d, str) else d for d in spec.shape]
-
-
-def _float32(arr: np.ndarray, field: str, model: LoadedModel, checked: bool = False) -> np.ndarray:
-    if arr.ndim != 3:
-        raise InvalidShape(f"{field} must be 3-D (batch, n, features), got {arr.ndim}-D", field=field,
-                           expected=_pattern(model, field), received=list(arr.shape))
-    if arr.size == 0:
-        raise InvalidShape(f"{field} must not be empty", field=field, expected=_pattern(model, field),
-                           received=list(arr.shape))
-    if checked:
-        return arr
-    out = arr.astype(np.float32, copy=False)  # beyond float32's range becomes inf, refused just below
-    if not np.isfinite(out).all():
-        raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
-    return out
-
-
-def _bind(spec: TensorSpec, arr: np.ndarray, bound: dict[str, int], first_seen: dict[str, str],
-          model: LoadedModel) -> None:
-    """Match `arr.shape` to `spec.shape`: fixed sizes must be equal, a named axis takes the size
-    of its first occurrence (batch, n_k, d ...) and every later occurrence must agree."""
-    for axis, (want, got) in enumerate(zip(spec.shape, arr.shape, strict=True)):
-        if want.__class__ is int:
-            if got != want:
-                raise InvalidShape(
-                    f"{spec.name} must have {want} features (axis {axis}) for model {model.name}, got {got}",
-                    field=spec.name, expected=_pattern(model, spec.name, _before(spec, bound, first_seen)),
-                    received=list(arr.shape))
-        elif want in bound:
-            if got != bound[want]:
-                other = first_seen[want]
-                raise InvalidShape(
-                    f"{spec.name} has {want} = {got} on axis {axis}, but {other} has {want} = {bound[want]}",
-                    field=spec.name, expected=_pattern(model, spec.name, _before(spec, bound, first_seen)),
-                    received=list(arr.shape))
-        else:
-            bound[want] = got
-            first_seen[want] = spec.name
-
-
-def _before(spec: TensorSpec, bound: dict[str, int], first_seen: dict[str, str]) -> dict[str, int]:
-    """What the fields before `spec` fixed: the expected shape of an error is stated with those."""
-    return {axis: size for axis, size in bound.items() if first_seen[axis] != spec.name}
-
-
-def _check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -> np.ndarray:
-    """(batch, n_q) int64 from absent, (batch,) or (batch, n_q) whole numbers in 0..n_k."""
-    if lens is None:
-        return valid_lens_2d(None, batch, n_q, n_k)
-    field = "valid_lens"
-    shapes = f"null, [batch] = [{batch}] or [batch, n_q] = [{batch}, {n_q}]"
-    if lens.shape not in ((batch,), (batch, n_q)):
-        raise InvalidShape(f"valid_lens must have shape [batch] or [batch, n_q], got {list(lens.shape)}", field=field,
-                           expected=shapes, received=list(lens.shape))
-    if lens.size <= 64:  # a few lengths: plain Python is several times faster than NumPy's calls
-        values = lens.ravel().tolist()
-        whole = all(v.is_integer() for v in values) if lens.dtype.kind == "f" else True
-        low, high = (min(values), max(values)) if values else (0, 0)
-    else:
-        whole = lens.dtype.kind != "f" or bool((lens == np.floor(lens)).all())
-        low, high = lens.min(), lens.max()
-    if not whole:
-        bad = float(lens[lens != np.floor(lens)].flat[0])
-        raise InvalidRequest(f"valid_lens must be whole numbers, got {bad}", field=field,
-                             expected=f"integers from 0 to n_k = {n_k}", received=bad)
-    if low < 0 or high > n_k:
-        bad = low if low < 0 else high
-        bad = int(bad) if abs(bad) < 2**63 else float(bad)
-        raise InvalidRequest(f"valid_lens must be between 0 and n_k = {n_k}, got {bad}", field=field,
-                             expected=f"0 <= valid_len <= {n_k}", received=bad)
-    out = np.empty((batch, n_q), dtype=np.int64)
-    out[...] = lens[:, None] if lens.ndim == 1 else lens
-    return out
-
-
-def _check_limits(limits: RequestLimits, model: LoadedModel, batch: int, n_q: int, n_k: int,
-                  feed: dict[str, np.ndarray]) -> None:
-    def refuse(what: str, got: int, limit: int, setting: str, field: str = "queries") -> None:
-        raise PayloadTooLarge(f"{what} is {got}, over this service's limit of {limit} ({setting})", field=field,
-                              expected=f"<= {limit}", received=got)
-
-    first = model.inputs()[0].name  # queries, or scores
-    if batch > limits.batch:
-        refuse("batch", batch, limits.batch, "ATTEND_MAX_BATCH", first)
-    if n_q > limits.sequence:
-        refuse("n_q", n_q, limits.sequence, "ATTEND_MAX_SEQUENCE", first)
-    if n_k > limits.sequence:
-        refuse("n_k", n_k, limits.sequence, "ATTEND_MAX_SEQUENCE", "keys" if "keys" in feed else first)
-    for spec in model.inputs():
-        if spec.name in feed and spec.shape[-1] not in SEQUENCE_AXES and feed[spec.name].shape[-1] > limits.features:
-            size = feed[spec.name].shape[-1]
-            refuse(f"the feature size of {spec.name}", size, limits.features, "ATTEND_MAX_FEATURES", spec.name)
-    if "attention_weights" not in model.output_names:
-        return
-    elements = batch * int(model.config.hyperparameters.get("num_heads", 1)) * n_q * n_k
-    if elements > limits.weight_elements:
-        refuse("batch * heads * n_q * n_k (the attention weights)", elements, limits.weight_elements,
-               "ATTEND_MAX_WEIGHT_ELEMENTS", first)
-
-
-def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens: np.ndarray | None,
-                  return_weights: bool, limits: RequestLimits, finite_float32: bool = False) -> Request:
-    """The request for `model` from its input tensors (any float dtype, checked and made float32,
-    unless the caller did: `finite_float32`) and valid lengths (absent, or any numeric dtype): shapes
-    bound against the signature, limits."""
-    feed, (batch, n_q, n_k) = _checked_feed(model, tensors, limits, finite_float32)
-    if "valid_lens" in model.input_names:
-        feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
-    return Request(model=model, feed=feed, return_weights=return_weights)
-
-
-def _checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits, finite_float32: bool
-                  ) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
-    """`build_request`'s feed but the valid lengths, and its (batch, n_q, n_k)."""
-    bound: dict[str, int] = {}
-    first_seen: dict[str, str] = {}
-    feed: dict[str, np.ndarray] = {}
-    for spec in model.inputs():
-        if spec.name == "valid_lens":
-            continue
-        arr = _float32(tensors[spec.name], spec.name, model, finite_float32)
-        _bind(spec, arr, bound, first_seen, model)
-        feed[spec.name] = arr
-    batch = bound["batch"]
-    n_q = bound.get("n_q", bound.get("n", 0))
-    n_k = bound.get("n_k", bound.get("n", 0))
-    max_len = model.config.hyperparameters.get("max_len")
-    if max_len is not None and n_q > max_len:
-        raise InvalidShape(f"queries is a sequence of {n_q} tokens, longer than the model's max_len {max_len}",
-                           field="queries", expected=[batch, f"n <= {max_len}", _pattern(model, "queries")[-1]],
-                           received=list(feed["queries"].shape))
-    if model.kind == "positional_encoding" and bound["d"] % 2:
-        raise InvalidShape(f"queries must have an even feature size d (sine and cosine in pairs), got {bound['d']}",
-                           field="queries", expected=[batch, "n", "d (even)"], received=list(feed["queries"].shape))
-    _check_limits(limits, model, batch, n_q, n_k, feed)
-    return feed, (batch, n_q, n_k)
-
-
 # ------------------------------------------------------------------------------------------ /attend
 
 
@@ -555,7 +374,7 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
     return model
 
 
-def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = RequestLimits(),
+def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEFAULT_LIMITS,
            body: bytes | None = None, layout: bytes | None = None) -> Request:
     """The request for `model` from the parsed body `data` (values simdjson proxies or plain).
     `layout`: a small body's `skeleton` (its one structural check; a body whose checks pass then
@@ -604,7 +423,7 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = Req
     return build_request(model, arrays.values, lens, return_weights, limits)
 
 
-def decode_body(body: bytes, registry: Registry, limits: RequestLimits = RequestLimits()) -> Request:
+def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS) -> Request:
     """POST /attend's body -> Request. Raises ServiceError subclasses for bad input, with `.model`
     set to the model's name once it is known (for the metrics' label)."""
     data = parse(body)
@@ -704,3 +523,23 @@ def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: R
     plan = plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
                                  "valid_lens" in model.input_names, lengths, {}, _zeros(start))
     return plan.memo
+
+
+_ORJSON = orjson.OPT_SERIALIZE_NUMPY
+
+
+def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes:
+    """/attend's response body: the model, `outputs`, `attention_weights` (null when not asked for,
+    or for a model without), and any other output of the model (`P` of the positional encoding)."""
+    body: dict[str, Any] = {"model": model.name, "outputs": outputs["outputs"],
+                            "attention_weights": outputs.get("attention_weights") if return_weights else None}
+    if len(outputs) > 2 or "attention_weights" not in outputs:
+        body.update((name, value) for name, value in outputs.items() if name not in body)
+    return orjson.dumps(body, option=_ORJSON)
+
+
+def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS) -> bytes:
+    """Decode, run and encode one request, in the calling thread, with no queue: the in-process
+    benchmark's and the tests' reference."""
+    request = decode_body(body, registry, limits)
+    return encode_attend(request.model, request.model.run(request.feed), request.return_weights)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from service.batching import Scheduler
-from service.errors import ModelNotFound, ServiceError
-from service.runtime import LoadedModel, Registry, StartupError
+from service.core.batching import Scheduler
+from service.core.errors import ModelNotFound, ServiceError
+from service.core.runtime import LoadedModel, Registry, StartupError
 
 log = logging.getLogger("service")
 

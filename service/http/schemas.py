@@ -1,5 +1,5 @@
 """Pydantic models for the OpenAPI document only: requests are parsed with orjson straight into
-NumPy (service.decode), which is several times faster than nested-list models for MB of floats."""
+NumPy (service.protocols.attend), which is several times faster than nested-list models for MB of floats."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """POST /attend: the codec of the service's own JSON protocol.
 
-The body decodes with service.decode; the response is encoded by service.dataplane.encode_attend;
-errors have the one error body of service.errors. Everything else (request ID, limits, deadline,
-batching, metrics) is service.routes.endpoint's, the same for every protocol. The FastAPI route
+The body decodes with service.protocols.attend, which encodes the response too; errors have the one
+error body of service.core.errors. Everything else (request ID, limits, deadline, batching, metrics) is
+service.http.endpoint's, the same for every protocol. The FastAPI route
 below only documents the endpoint in the OpenAPI schema.
 """
 
@@ -12,12 +12,12 @@ import orjson
 from fastapi import APIRouter
 from starlette.types import Scope
 
-from service.batching import Encoder
-from service.dataplane import encode_attend
-from service.decode import Request
-from service.errors import ServiceError, UnsupportedMediaType
-from service.routes.endpoint import InferenceEndpoint, media_type
-from service.schemas import AttendRequest, AttendResponse, error_responses, toy_request
+from service.core.batching import Encoder
+from service.core.errors import ServiceError, UnsupportedMediaType
+from service.core.request import Request
+from service.http.endpoint import InferenceEndpoint, media_type
+from service.http.schemas import AttendRequest, AttendResponse, error_responses, toy_request
+from service.protocols.attend import decode_body, encode_attend
 
 router = APIRouter()
 
@@ -34,11 +34,11 @@ router = APIRouter()
 )
 async def attend_documented() -> None:
     """The OpenAPI entry of POST /attend; requests are served by `AttendEndpoint`, routed before it."""
-    raise NotImplementedError("POST /attend is served by service.routes.attend.AttendEndpoint")
+    raise NotImplementedError("POST /attend is served by service.http.routes.attend.AttendEndpoint")
 
 
 class AttendEndpoint(InferenceEndpoint):
-    """POST /attend: JSON in (service.decode), JSON out (service.dataplane.encode_attend)."""
+    """POST /attend: JSON in (service.protocols.attend), JSON out (its encode_attend)."""
 
     def check_media_type(self, headers: dict[bytes, bytes]) -> None:
         media = media_type(headers)
@@ -48,7 +48,10 @@ class AttendEndpoint(InferenceEndpoint):
 
     async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes,
                      until: float) -> tuple[Request, Encoder]:
-        return await self.dataplane.decode_async(self.dataplane.decode, body, until), encode_attend
+        return await self.dataplane.decode_async(self._decode, body, until), encode_attend
+
+    def _decode(self, body: bytes) -> Request:
+        return decode_body(body, self.dataplane.registry, self.dataplane.limits)
 
     def error_body(self, error: ServiceError) -> bytes:
         return orjson.dumps(error.body())

@@ -6,9 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.decode import excerpt
-from service.errors import ModelNotFound
-from service.schemas import error_responses
+from service.core.errors import ModelNotFound, excerpt
+from service.http.schemas import error_responses
 
 router = APIRouter()
 

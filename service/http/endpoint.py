@@ -1,11 +1,12 @@
 """What every protocol's inference route does, once, below its codec: the request ID and access log
 line, readiness, the API key, the deadline, the body (bounded), the in-flight count, the metrics,
-and turning errors into responses. A protocol (service/routes/attend.py for /attend, v2.py for the
+and turning errors into responses. A protocol (service/http/routes/attend.py for /attend, v2.py for the
 Open Inference Protocol) subclasses `InferenceEndpoint` with its decode, its encoder and its error body.
+`RequestContext` gives every other route its request ID and access log line.
 
 These are plain ASGI apps rather than FastAPI routes because FastAPI's request handling costs ~45 us a
 request (measured: `python bench/asgi_overhead.py`), twice the book's toy request's whole session
-run; `service.app` calls them before FastAPI's stack (or through a route, when CORS needs the
+run; `service.http.app` calls them before FastAPI's stack (or through a route, when CORS needs the
 middleware).
 """
 
@@ -16,56 +17,17 @@ import logging
 import time
 from typing import Any
 
-import anyio
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.auth import check_api_key
-from service.batching import Encoder
-from service.decode import Request
-from service.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, PayloadTooLarge, ServiceError
-from service.metrics import MULTIPROCESS
-from service.middleware import log_access, new_request_id, request_id
+from service.core.batching import Encoder
+from service.core.dataplane import check_api_key
+from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, ServiceError
+from service.core.logs import log_access, new_request_id, request_id
+from service.core.metrics import MULTIPROCESS
+from service.core.request import Request
+from service.http.extensions import JSON, Headers, disconnect_probe, read_body, send_body
 
 log = logging.getLogger("service")
-JSON = b"application/json"
-Headers = list[tuple[bytes, bytes]]
-
-
-async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, claim: Any = None,
-                    aligned_at: int = 0) -> Any:
-    """The body, refused with 413 as soon as it is known to be larger than `limit`. `claim`: the
-    server's way to have it written into one buffer as it comes ("attend.body", where it offers
-    that: service.server.BodySink), the byte at `aligned_at` 64-byte aligned; the body is then a
-    memoryview, not bytes."""
-    length = headers.get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"the body has {int(length)} bytes; the limit is {limit}", expected=limit,
-                              received=int(length))
-    if claim is not None:
-        body = await claim(aligned_at)
-        if body is None:
-            raise ClientGone("the client disconnected before sending its whole body")
-        return body
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise ClientGone("the client disconnected before sending its body")
-    body = message.get("body", b"")
-    if not message.get("more_body"):
-        if len(body) > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
-        return body
-    chunks, size = [body], len(body)
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone("the client disconnected before sending its whole body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 def media_type(headers: dict[bytes, bytes]) -> str | None:
@@ -92,53 +54,6 @@ def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | Non
                                 field="X-Request-Timeout-Ms", received=header.decode("latin-1")[:100])
         timeout = min(timeout, ms / 1000)
     return (arrived if arrived is not None else time.monotonic()) + timeout
-
-
-async def send_body(send: Send, status: int, body: bytes | list, headers: Headers, content_type: bytes = JSON,
-                    hold: Any = None, respond: Any = None) -> None:
-    """The response, head and body. `respond`: the server's way to write a whole response at once
-    ("attend.respond", service.server.GuardedProtocol), where it offers one and can; else `hold`:
-    its way to send head and body in one write (see service.server.CoalescingTransport), where it
-    offers one. A body given as a list of parts (bytes-like, each of one-byte items) goes out part
-    by part, in the same one write; joined, where the server offers neither."""
-    listed = body.__class__ is list
-    length = sum(map(len, body)) if listed else len(body)
-    head = [(b"content-type", content_type), (b"content-length", b"%d" % length), *headers]
-    if respond is not None and respond(status, head, body):
-        return
-    parts: Any = ()
-    if listed:
-        if hold is None or len(body) == 1:
-            body = b"".join(body)
-        else:
-            parts, body = body[:-1], body[-1]
-    if hold is not None:
-        hold(len(parts) + 1)
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    for part in parts:
-        await send({"type": "http.response.body", "body": part, "more_body": True})
-    await send({"type": "http.response.body", "body": body})
-
-
-def disconnect_probe(extensions: dict, receive: Receive) -> Any:
-    """Whether the client has gone, without waiting. Where the server offers it ("attend.disconnected",
-    service.server.GuardedProtocol), its connection's state is read; else a receive cancelled at once
-    (Starlette's way), which costs ~30 us more: anyio's cancel formats the task's repr."""
-    gone = extensions.get("attend.disconnected")
-    if gone is not None:
-        async def has_gone() -> bool:
-            return gone()
-
-        return has_gone
-
-    async def is_disconnected() -> bool:
-        message: dict[str, Any] = {}
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            message = await receive()
-        return message.get("type") == "http.disconnect"
-
-    return is_disconnected
 
 
 def _deadline_passed(task: asyncio.Task, passed: list[bool]) -> None:
@@ -187,7 +102,7 @@ class InferenceEndpoint:
     # The rest: the same for every protocol.
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Served with its request ID and access log line (service.middleware's, inline here: this
+        """Served with its request ID and access log line (service.core.logs', inline here: this
         is the path of every request, and RequestContext's wrapper of `send` costs a layer)."""
         start = time.perf_counter()
         headers = dict(scope["headers"])
@@ -284,3 +199,35 @@ class InferenceEndpoint:
         body, more, content_type = self.response(content)
         await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
         return 200
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "POST" and (
+                scope["path"] == "/attend" or (scope["path"].startswith("/v2/") and scope["path"].endswith("/infer")))):
+            await self.app(scope, receive, send)  # the inference routes do their own (service.http.endpoint)
+            return
+        rid, rid_bytes = new_request_id(next((v for k, v in scope["headers"] if k == b"x-request-id"), None))
+        token = request_id.set(rid)
+        start = time.perf_counter()
+        status = 0  # no response: the client went away first
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid_bytes)]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log_access(scope["method"], scope["path"], status, time.perf_counter() - start)
+            request_id.reset(token)
+
+
+def is_infer(path: str) -> bool:
+    return path.startswith("/v2/models/") and path.endswith("/infer")

@@ -1,18 +1,13 @@
 """The Open Inference Protocol (KServe v2, Triton's HTTP/REST protocol) with its binary tensor data
-extension: a codec, nothing else. Inference requests become the same `Request` as /attend's and go
+extension: the codec, nothing else. Inference requests become the same `Request` as /attend's and go
 through the same dataplane (batching with /attend's requests, limits, deadlines, metrics, keys).
 
-    GET  /v2                                   server metadata (extensions: binary_tensor_data, and
-                                               model_repository where model control is on)
-    GET  /v2/health/live, /v2/health/ready
-    GET  /v2/models/{m}[/versions/{v}]         model metadata: inputs and outputs, -1 for dynamic axes
-    GET  /v2/models/{m}[/versions/{v}]/ready
-    GET  /v2/models/{m}[/versions/{v}]/config  Triton's model configuration (perf_analyzer reads it)
     POST /v2/models/{m}[/versions/{v}]/infer   JSON tensors ("data" flat or nested), or a JSON header
                                                (Inference-Header-Content-Length) and raw little-endian bytes
 
 Errors are the protocol's `{"error": "<message>"}` with the status. Every size a client states is
-checked against the body before a byte of it is read as a tensor.
+checked against the body before a byte of it is read as a tensor. Model metadata and Triton's model
+configuration are here too (`metadata`, `config`): the routes of service.http.routes.v2 serve them.
 """
 
 from __future__ import annotations
@@ -25,28 +20,19 @@ from urllib.parse import unquote
 import numpy as np
 import orjson
 import simdjson
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-from starlette.types import Scope
 
-from service.batching import Encoder
-from service.decode import Request as Inference
-from service.decode import build_request, excerpt, json_type
-from service.errors import (
+from service.core.batching import Encoder
+from service.core.errors import (
     InvalidJSON,
     ModelNotFound,
-    ModelUnavailable,
     PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
+    excerpt,
+    json_type,
 )
-from service.routes.endpoint import JSON, Headers, InferenceEndpoint, media_type
-from service.routes.health import check_ready
-from service.runtime import LoadedModel, Registry
-from service.schemas import protocol_errors
+from service.core.runtime import LoadedModel
 
-router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
-health_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])  # open: no API key
 OCTETS = b"application/octet-stream"
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
@@ -64,21 +50,6 @@ def error_json(error: ServiceError) -> bytes:
 
 
 # --------------------------------------------------------------------------------------- metadata
-
-
-def _model(registry: Registry, name: str, version: str | None = None) -> LoadedModel:
-    """The served version of the model, or the one asked for where it is loaded."""
-    model = registry.get(name)
-    if model is None and name in registry.broken:
-        raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}")
-    if model is None:
-        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}")
-    if version is not None:
-        model = registry.get(name, int(version)) if version.isdigit() else None
-        if model is None:
-            loaded = ", ".join(map(str, registry.loaded_versions(name)))
-            raise ModelNotFound(f"version {excerpt(version)} of model {name} is not loaded; loaded: {loaded}")
-    return model
 
 
 def _dims(shape: tuple) -> list[int]:
@@ -116,60 +87,6 @@ def config(model: LoadedModel, max_batch: int) -> dict[str, Any]:
             "input": [tensor(s, optional=s.name == "valid_lens") for s in model.inputs()],
             "output": [tensor(s) for s in model.outputs],
             "dynamic_batching": {}, "parameters": {"kind": {"string_value": model.kind}}}
-
-
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-@router.get("", summary="Server metadata", responses=protocol_errors(401))
-async def server_metadata(request: Request) -> Response:
-    state = request.app.state
-    extensions = ["binary_tensor_data"]
-    if state.admin_keys or state.settings.model_control:  # the repository routes are on (service.auth)
-        extensions.append("model_repository")
-    return _json({"name": "attend", "version": request.app.version, "extensions": extensions})
-
-
-@health_router.get("/health/live", summary="The process is up")
-async def live() -> Response:
-    return _json({"live": True})
-
-
-@health_router.get("/health/ready", summary="Every model is loaded and warmed up", responses=protocol_errors(503))
-async def ready(request: Request) -> Response:
-    check_ready(request.app.state)
-    return _json({"ready": True})
-
-
-@router.get("/models/{name}", summary="Model metadata", responses=protocol_errors(401, 404, 422, 503))
-@router.get("/models/{name}/versions/{version}", summary="Model metadata of one version",
-            responses=protocol_errors(401, 404, 422, 503))
-async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    return _json(metadata(_model(request.app.state.registry, name, version)))
-
-
-@router.get("/models/{name}/ready", summary="The model is ready (200) or not (400)",
-            responses=protocol_errors(400, 401, 422))
-@router.get("/models/{name}/versions/{version}/ready", summary="The version is ready (200) or not (400)",
-            responses=protocol_errors(400, 401, 422))
-async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    try:
-        _model(request.app.state.registry, name, version)
-    except ServiceError as e:
-        raise BadRequest(e.message) from None
-    if not request.app.state.ready:
-        raise BadRequest(f"model {name} is not ready: the service is not ready")
-    return _json({"name": name, "ready": True})
-
-
-@router.get("/models/{name}/config", summary="Triton's model configuration",
-            responses=protocol_errors(401, 404, 422, 503))
-@router.get("/models/{name}/versions/{version}/config", summary="Triton's model configuration of one version",
-            responses=protocol_errors(401, 404, 422, 503))
-async def model_config(request: Request, name: str, version: str | None = None) -> Response:
-    settings = request.app.state.settings
-    return _json(config(_model(request.app.state.registry, name, version), settings.max_batch))
 
 
 # -------------------------------------------------------------------------------------- inference
@@ -345,108 +262,4 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
 
     return encode
 
-
-class InferEndpoint(InferenceEndpoint):
-    """POST /v2/models/{m}[/versions/{v}]/infer."""
-
-    def model_of(self, scope: Scope) -> str:
-        # A label only for models that exist: a client's made-up names must not grow the metrics.
-        try:
-            name, _ = parse_path(scope["path"])
-        except ServiceError:
-            return "-"
-        return name if self.dataplane is not None and self.dataplane.registry.get(name) is not None else "-"
-
-    def aligned_at(self, headers: dict[bytes, bytes]) -> int:
-        # The binary tensors start after the JSON header: read in place where they are aligned.
-        length = headers.get(b"inference-header-content-length")
-        return int(length) if length is not None and length.isdigit() else 0
-
-    def check_media_type(self, headers: dict[bytes, bytes]) -> None:
-        # tritonclient's sync client sends no Content-Type at all; its aio client application/octet-stream.
-        media = media_type(headers)
-        if media not in (None, "", "application/json", "application/octet-stream") and not media.endswith("+json"):
-            raise UnsupportedMediaType(f"Content-Type must be application/json or application/octet-stream, "
-                                       f"got {media[:100]}")
-
-    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes | memoryview,
-                     until: float) -> tuple[Inference, Encoder]:
-        name, version = parse_path(scope["path"])
-        model = _model(self.dataplane.registry, name, version)
-
-        def decode(raw: bytes) -> tuple[Inference, Encoder]:
-            try:
-                return self._decode(model, headers, raw)
-            except ServiceError as e:
-                e.model = model.name
-                raise
-
-        return await self.dataplane.decode_async(decode, body, until)
-
-    def _decode(self, model: LoadedModel, headers: dict[bytes, bytes], body: bytes) -> tuple[Inference, Encoder]:
-        body = _decompress(body, headers.get(b"content-encoding"), self.settings.max_body_bytes)
-        header_length = headers.get(b"inference-header-content-length")
-        if header_length is None:
-            split = len(body)
-        else:
-            if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
-                raise BadRequest(f"Inference-Header-Content-Length must be between 1 and the body's {len(body)} "
-                                 f"bytes, got {excerpt(header_length.decode('latin-1'))}")
-            split = int(header_length)
-        try:
-            request = simdjson.Parser().parse(body[:split] if split < len(body) else body)
-        except (ValueError, RuntimeError, UnicodeDecodeError):
-            try:
-                request = orjson.loads(body[:split])
-            except orjson.JSONDecodeError as e:
-                raise BadRequest(f"the inference request is not valid JSON: {e.msg} (line {e.lineno} column "
-                                 f"{e.colno})") from None
-        if not isinstance(request, simdjson.Object | dict):
-            raise BadRequest(f"the inference request must be a JSON object, got {json_type(request)}")
-        request_id = request.get("id")
-        if request_id is not None and not isinstance(request_id, str):
-            raise BadRequest(f"id must be a string, got {json_type(request_id)}")
-        parameters = request.get("parameters")
-        if isinstance(parameters, simdjson.Object):
-            parameters = parameters.as_dict()
-        inputs = request.get("inputs")
-        if not isinstance(inputs, simdjson.Array | list):
-            raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
-        reader, seen, tensors = _Reader(memoryview(body)[split:]), set(), {}
-        for entry in inputs:
-            if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
-                entry = {k: v if k == "data" else v.as_list() if isinstance(v, simdjson.Array)
-                         else v.as_dict() if isinstance(v, simdjson.Object) else v for k, v in entry.items()}
-            name, array = _tensor(entry, model, reader, seen)
-            tensors[name] = array
-        reader.done()
-        missing = [s.name for s in model.inputs() if s.name not in tensors and s.name != "valid_lens"]
-        if missing:
-            raise BadRequest(f"model {model.name} needs input(s) {', '.join(missing)}")
-        outputs = request.get("outputs")
-        if isinstance(outputs, simdjson.Array):
-            outputs = outputs.as_list()
-        wanted = _requested(outputs, model, _flag(parameters, "binary_data_output"))
-        lens = tensors.pop("valid_lens", None)
-        try:
-            inference = build_request(model, tensors, lens, any(n == "attention_weights" for n, _ in wanted),
-                                      self.dataplane.limits)
-        except ServiceError as e:  # /attend's checks, said the protocol's way: which input
-            if e.field in model.input_names and not e.message.startswith("input "):
-                e.message = f"input {e.field}: {e.message}"
-            raise
-        return inference, _encoder(model, wanted, request_id)
-
-    def response(self, content: tuple[bytes | list, int | None]) -> tuple[bytes | list, Headers, bytes]:
-        body, header_length = content
-        if header_length is None:
-            return body, [], JSON
-        return body, [(b"inference-header-content-length", str(header_length).encode())], OCTETS
-
-    def error_body(self, error: ServiceError) -> bytes:
-        return error_json(error)
-
-
-def is_infer(path: str) -> bool:
-    return path.startswith("/v2/models/") and path.endswith("/infer")
 

@@ -1,34 +1,37 @@
-"""`create_app(settings)`: the FastAPI app, wired in named steps."""
+"""`create_app(settings)`: the FastAPI app, wired in named steps; its error handlers and key checks."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import fastapi_offline
+import orjson
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.auth import require_admin, require_api_key
-from service.batching import Scheduler
 from service.config import Settings, get_settings
-from service.control import ModelControl
-from service.dataplane import Dataplane
-from service.errors import install_error_handlers
-from service.metrics import MULTIPROCESS, Metrics
-from service.middleware import RequestContext, configure_logging, flush_logs
-from service.routes import attend, health, models, page, repository, v2
-from service.runtime import Registry
-from service.server import release_memory_eagerly, trim_memory
+from service.core.batching import Scheduler
+from service.core.control import ModelControl
+from service.core.dataplane import Dataplane, _trim_memory_when_idle, check_api_key
+from service.core.errors import ControlOff, InvalidRequest, ServiceError
+from service.core.logs import configure_logging, flush_logs
+from service.core.memory import release_memory_eagerly
+from service.core.metrics import MULTIPROCESS, Metrics
+from service.core.runtime import Registry
+from service.http.endpoint import RequestContext, is_infer
+from service.http.routes import attend, health, models, page, v2
 
 log = logging.getLogger("service")
 
@@ -52,7 +55,7 @@ class AttendApp(FastAPI):
             path = scope["path"]
             if path == "/attend":
                 return await self.fast_attend(scope, receive, send)
-            if v2.is_infer(path):
+            if is_infer(path):
                 return await self.fast_infer(scope, receive, send)  # type: ignore[misc]
         await super().__call__(scope, receive, send)
 
@@ -98,20 +101,6 @@ def _lifespan(settings: Settings, preloaded: Registry | None):
             flush_logs()
 
     return lifespan
-
-
-async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> None:
-    """After requests, once a whole period passed with none arriving and none in flight, give freed
-    heap memory back to the system (glibc keeps it otherwise: 400-800 MB stayed resident after a
-    burst of large bodies). Not under steady load: the next requests would fault the pages in again."""
-    seen = 0
-    while True:
-        await asyncio.sleep(every_s)
-        served = dataplane.served_since_trim
-        if served and served == seen and not dataplane.in_flight:
-            await anyio.to_thread.run_sync(trim_memory)
-            dataplane.served_since_trim = served = 0
-        seen = served
 
 
 def _offline_docs(app: FastAPI) -> None:
@@ -175,7 +164,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.include_router(health.router)
     app.include_router(v2.router, dependencies=protected)
     app.include_router(v2.health_router)
-    app.include_router(repository.router, dependencies=[Depends(require_admin)])
+    app.include_router(v2.repository_router, dependencies=[Depends(require_admin)])
     if settings.cors_origin_list():
         # CORS headers come from the middleware: /attend goes through FastAPI's stack (and its route).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],
@@ -193,3 +182,63 @@ def create_app_from_env() -> FastAPI:
     configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
     release_memory_eagerly()
     return create_app(settings)
+
+
+def error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _field_of(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or str(loc[-1] if loc else "")
+
+
+def _body(request: Request, error: ServiceError) -> dict[str, Any]:
+    """The one error body, but under /v2 the Open Inference Protocol's: {"error": "<message>"}."""
+    return {"error": error.message} if request.url.path.startswith("/v2") else error.body()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> Response:
+        return error_response(exc.status, _body(request, exc), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        err = InvalidRequest(first["msg"], field=_field_of(tuple(first["loc"])))
+        return error_response(err.status, _body(request, err))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        error = ServiceError(str(exc.detail))
+        error.status, error.code = exc.status_code, code
+        return error_response(exc.status_code, _body(request, error), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # Logged with its traceback here; the client gets a plain 500, never the traceback.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, {"error": {"code": "internal_error", "message": "internal server error"}})
+
+
+async def require_api_key(request: Request) -> None:
+    """The same check as a FastAPI dependency (async: a plain `def` one would cost a thread hop)."""
+    keys: tuple[bytes, ...] = request.app.state.api_keys
+    if keys:
+        check_api_key(request.headers.get("authorization", "").encode("latin-1"), keys)
+
+
+async def require_admin(request: Request) -> None:
+    """Model control: an admin key where ATTEND_ADMIN_KEYS is set; else off (404), unless
+    ATTEND_MODEL_CONTROL=true opens it (then the API keys, if any, apply as to every route)."""
+    state = request.app.state
+    header = request.headers.get("authorization", "").encode("latin-1")
+    if state.admin_keys:
+        check_api_key(header, state.admin_keys)
+    elif not state.settings.model_control:
+        raise ControlOff("model control is off: set ATTEND_ADMIN_KEYS (or ATTEND_MODEL_CONTROL=true on a trusted "
+                         "network)")
+    elif state.api_keys:
+        check_api_key(header, state.api_keys)

@@ -51,7 +51,7 @@ class LoadedModel:
     session: ort.InferenceSession
     provider: str
     cuda_failure: str = ""  # why CUDA was not used, where it was asked for
-    # The layouts of request bodies already checked against this snapshot's signature, by service.decode
+    # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
     # (its _Plan): they go with the snapshot, as its signature does.
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -95,7 +95,7 @@ class LoadedModel:
     def _run(self) -> Any:
         # InferenceSession.run checks the feed's names and types in Python before calling the C++
         # session: 8 us a call measured here, more than a third of the book's toy request's whole
-        # run. The feed is checked already (service.decode, against the same signature), so the
+        # run. The feed is checked already (service.protocols.attend, against the same signature), so the
         # service calls the C++ session's run directly where the binding has it.
         inner = getattr(self.session, "_sess", None)
         if inner is not None and hasattr(inner, "run"):

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from service.decode import Request
-from service.errors import ClientGone, DeadlineExceeded, Overloaded
-from service.metrics import MULTIPROCESS, Metrics
-from service.runtime import LoadedModel
+from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
+from service.core.metrics import MULTIPROCESS, Metrics
+from service.core.request import Request
+from service.core.runtime import LoadedModel
 
 log = logging.getLogger("service")
 
@@ -93,7 +93,7 @@ class Job:
         self.is_disconnected = is_disconnected
         self.enqueued = time.monotonic()
         self.future = future
-        memo = request.memo  # requests of one layout (service.decode's plans) share their sizes
+        memo = request.memo  # requests of one layout (service.protocols.attend's plans) share their sizes
         sizes = None if memo is None else memo.get("job sizes")
         if sizes is None:
             sizes = _sizes(request)
@@ -286,7 +286,7 @@ class Batcher:
 
     async def _gather(self, group: deque[Job]) -> None:
         """Wait for more requests to join while fewer are queued than the server has busy clients
-        (service.server.BusyConnections: the connections that began a request lately, not idle
+        (service.http.protocol.BusyConnections: the connections that began a request lately, not idle
         ones): they may be about to send. The wait ends `max_wait_s` after the latest request joined
         (requests still coming one after another: W3 at concurrency 16 decodes one every ~0.2 ms,
         and a wait counted from the first gathered ~6 of 16), and at most `_GATHER_CAP` times

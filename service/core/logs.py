@@ -1,5 +1,4 @@
-"""Request IDs and the access log, as one pure ASGI middleware (no BaseHTTPMiddleware: it
-would buffer bodies and cost a task per request).
+"""Logging: one format for every line, request IDs, and the access log line.
 
 `X-Request-ID` is taken from the request when it is a sane token, made up otherwise, returned
 on the response and attached to every log record of the request (`%(request_id)s`). Made-up IDs
@@ -16,8 +15,6 @@ import re
 import threading
 import time
 from typing import Any
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _SANE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
@@ -173,29 +170,3 @@ def log_access(method: str, path: str, status: int, seconds: float) -> None:
             access.info("%s %s %d %.1fms", method, path, status or 499, 1e3 * seconds)
 
 
-class RequestContext:
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "POST" and (
-                scope["path"] == "/attend" or (scope["path"].startswith("/v2/") and scope["path"].endswith("/infer")))):
-            await self.app(scope, receive, send)  # the inference routes do their own (service.routes.endpoint)
-            return
-        rid, rid_bytes = new_request_id(next((v for k, v in scope["headers"] if k == b"x-request-id"), None))
-        token = request_id.set(rid)
-        start = time.perf_counter()
-        status = 0  # no response: the client went away first
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid_bytes)]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            log_access(scope["method"], scope["path"], status, time.perf_counter() - start)
-            request_id.reset(token)

@@ -1,4 +1,4 @@
-"""uvicorn, as the service runs it: a guarded HTTP protocol, a graceful server, and its workers.
+"""uvicorn's HTTP protocol, as the service runs it: guarded against hostile clients.
 
 `GuardedProtocol` is uvicorn's httptools protocol with what a hostile client would otherwise get
 away with taken away (each limit an ATTEND_* setting, see service/config.py):
@@ -20,41 +20,25 @@ It also offers the inference endpoints two extensions of the ASGI scope: "attend
 head and body, or its parts, in one write: `CoalescingTransport`) and "attend.body" (a body with a
 Content-Length written once into one aligned buffer as it arrives: `BodySink`).
 
-`GracefulServer` adds readiness and SIGTERM handling to uvicorn's server (see service/__main__.py);
-`run_workers` runs it in every worker process of ATTEND_WORKERS.
+The graceful server and its workers are service.http.server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 import logging
-import os
-import resource
-import signal
-import socket
-import tempfile
 import time
 from collections import deque
-from types import FrameType
 from typing import Any
 
 import numpy as np
 import orjson
-import uvicorn
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
-from uvicorn.supervisors import multiprocess
 
 from service.config import Settings, get_settings
-from service.middleware import flush_logs
 
 log = logging.getLogger("service")
-# After SIGTERM: the listener stays open this long, then accepted connections get at most
-# _SETTLE_S to show their first request.
-_ACCEPT_S = 0.5
-_SETTLE_S = 1.0
 HEALTH = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 _HEALTH_BYTES = frozenset(p.encode() for p in HEALTH)
 
@@ -90,7 +74,7 @@ def _refusing_app(status: int, code: str, message: str):
 class CoalescingTransport:
     """uvicorn writes a response's status line and headers, then its body, with a write each: two
     send() system calls and two TCP segments for every small response. An endpoint that sends both
-    at once (service.routes.endpoint.send_body) calls `hold_next` first (offered to it in the
+    at once (service.http.endpoint.send_body) calls `hold_next` first (offered to it in the
     request's scope as the "attend.hold" extension): the head is held, and goes out joined with the
     body in one write. A body sent in parts (a binary response's JSON header, then each tensor's
     bytes, never joined) is held the same way, part by part, and goes out in one `writelines` (one
@@ -510,221 +494,3 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn stops accepting connections on SIGTERM and waits for the open ones; this turns
-    readiness off first, so a load balancer's probe and requests already on a kept-alive
-    connection see 503 at once rather than a half-stopped service."""
-
-    def __init__(self, config: uvicorn.Config, app: Any = None):
-        super().__init__(config)
-        self._app = app
-
-    @property
-    def app(self) -> Any:
-        """The service's app: given, or (in a worker) the one uvicorn's factory made."""
-        return self._app if self._app is not None else getattr(self.config, "loaded_app", None)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            state = self.app.state
-            # The requests in progress (uvicorn's own set) and the connections with a client busy
-            # sending requests: the batching reads how many.
-            state.dataplane.server_tasks = self.server_state.tasks
-            state.scheduler.busy_clients = guard().busy
-            # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
-            # its default action would end the process).
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
-            loop = type(asyncio.get_running_loop())
-            log.info("serving on %s/ (the page; API docs: %s/docs); uvicorn on %s.%s with %s",
-                     *[serving_url(self)] * 2, loop.__module__, loop.__qualname__,
-                     self.config.http_protocol_class.__name__)
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # Readiness is off already. Keep accepting a moment first: connections whose handshake
-        # the kernel finished before the signal wait in the accept queue with their request sent,
-        # and closing the listener would reset them (the event loop may not have had the GIL to
-        # accept them: a large body's decode holds it for ~100 ms).
-        await asyncio.sleep(_ACCEPT_S)
-        # Then stop accepting and, before uvicorn closes every connection that has no request
-        # under way, let the accepted ones have their request parsed, for the same reason.
-        loop = asyncio.get_running_loop()
-        listeners = [socket.socket(fileno=os.dup(s.fileno())) for server in self.servers
-                     for s in (server.sockets or ())]
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        # The last copy of a listening socket to close resets the connections still in its accept
-        # queue, the event loop having stopped taking them. Take them in one go, then close: the
-        # window where a connection can still be reset shrinks from the loop's last turn to the
-        # microseconds between an empty accept() and close() (and is gone while a sibling worker
-        # still holds the socket).
-        for listener in listeners:
-            accepted = []
-            listener.setblocking(False)
-            try:
-                while True:
-                    accepted.append(listener.accept()[0])
-            except OSError:  # BlockingIOError: the queue is empty
-                pass
-            listener.close()
-            for connection in accepted:
-                await loop.connect_accepted_socket(self._protocol, connection)
-        settle_until = loop.time() + _SETTLE_S
-        while loop.time() < settle_until and any(
-            getattr(c, "cycle", None) is None for c in list(self.server_state.connections)
-        ):
-            await asyncio.sleep(0.01)
-        await super().shutdown(sockets)
-        flush_logs()  # uvicorn re-raises the signal next, and a process ended by a signal skips atexit
-
-    def _protocol(self) -> asyncio.Protocol:
-        """A connection's protocol, as uvicorn's startup makes them."""
-        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore
-                                               app_state=self.lifespan.state)
-
-    def _reload(self) -> None:
-        state = self.app.state
-        if state.ready:
-            log.info("SIGHUP: loading the models whose newest version changed")
-            state.scheduler.spawn(state.control.reload_changed())
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        app = self.app
-        if app is not None and getattr(app.state, "ready", False):
-            log.info("signal %d: not ready; finishing %d requests in flight", sig, app.state.dataplane.in_flight)
-            app.state.ready = False
-            app.state.metrics.ready.set(0)
-        super().handle_exit(sig, frame)
-
-
-def serving_url(server: uvicorn.Server) -> str:
-    """Where a client on this machine reaches the server (the port really bound, when 0 was asked)."""
-    host, port = server.config.host, server.config.port
-    for listener in server.servers:
-        for sock in listener.sockets:
-            host, port = sock.getsockname()[:2]
-            break
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    # Our access log (service.access) carries the request ID; uvicorn's would repeat it without.
-    # proxy_headers off: X-Forwarded-For would only rewrite the client address, which nothing here
-    # reads, and its middleware is a layer every request passes. The connection limit is the
-    # guarded protocol's (health probes exempt), not uvicorn's.
-    return {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
-            "proxy_headers": False, "http": GuardedProtocol, "timeout_graceful_shutdown": settings.grace_period_s,
-            "timeout_keep_alive": settings.keep_alive_s, "limit_concurrency": None, "backlog": 4096}
-
-
-class Worker(multiprocess.Process):
-    """A worker of ATTEND_WORKERS: a GracefulServer (module level: the spawned process unpickles it)."""
-
-    @property
-    def server(self) -> uvicorn.Server:
-        if self._server is None:
-            self._server = GracefulServer(config=self.config)
-        return self._server
-
-
-class Supervisor(multiprocess.Multiprocess):
-    """uvicorn's supervisor handles a signal in its loop, up to 0.5 s later, and keeps the
-    listening socket open until it exits: the kernel kept completing connections that no worker
-    would accept, and reset them at the end (requests sent just after SIGTERM were dropped). Here
-    SIGTERM and SIGINT reach the workers at once, as SIGTERM: each turns readiness off, keeps
-    accepting for a moment, then closes its copy; the supervisor closes its own copy at once.
-    SIGHUP goes to the workers too: each loads what changed (uvicorn's default restarts them all)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._stopping = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._stop)
-
-    def _stop(self, sig: int, frame: FrameType | None) -> None:
-        if not self._stopping:
-            self._stopping = True
-            # SIGTERM even for SIGINT: a terminal's Ctrl-C reaches the workers as well, and a
-            # second SIGINT makes uvicorn end at once, in-flight requests with it.
-            self._forward(signal.SIGTERM)
-            for sock in self.sockets:
-                sock.close()
-        self.should_exit.set()
-
-    def _forward(self, sig: int) -> None:
-        for process in self.processes:
-            if process.process.exitcode is None and process.process.pid is not None:
-                os.kill(process.process.pid, sig)
-
-    def terminate_all(self) -> None:
-        if not self._stopping:  # the loop ended otherwise (a worker that failed to start)
-            super().terminate_all()
-
-    def handle_hup(self) -> None:
-        log.info("SIGHUP: passed to %d workers", len(self.processes))
-        self._forward(signal.SIGHUP)
-
-
-def run_workers(settings: Settings) -> None:
-    """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app the factory
-    makes (its own sessions), the metrics of all of them on every /metrics (prometheus_client's
-    multiprocess mode, in a folder of this run's own)."""
-    metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-
-    # uvicorn's supervisor makes its workers with the module's Process: this one runs ours.
-    multiprocess.Process = Worker  # type: ignore[misc]
-    config = uvicorn.Config("service.app:create_app_from_env", factory=True, workers=settings.workers,
-                            **uvicorn_options(settings))
-    try:
-        Supervisor(config, sockets=[config.bind_socket()]).run()
-    finally:
-        for name in os.listdir(metrics_dir):
-            os.unlink(os.path.join(metrics_dir, name))
-        os.rmdir(metrics_dir)
-
-
-def raise_file_limit() -> None:
-    """Open connections are file descriptors: the soft limit up to the hard one (often 1024 of 1M)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-# Mapping buffers on their own costs page faults on every request that allocates them: at 256 KiB,
-# W2 (4 MB bodies) took 30 ms of CPU a request instead of 17-22; at 4 MiB it is back, and 30 s after
-# a burst of 25 MB bodies the resident memory is within 11-14% of before (8 MiB: 22-31%; glibc's
-# own dynamic threshold, which rises to 32 MiB: 54-61%). docs/reliability.md has the runs.
-_MMAP_THRESHOLD = 4 * 1024 * 1024
-
-
-def release_memory_eagerly() -> None:
-    """glibc keeps freed memory in its heaps; large buffers (request bodies, decoded arrays) made
-    the resident size grow for good after a burst. Buffers of 4 MiB and more are mapped on their
-    own instead (returned to the system when freed), and the heaps are trimmed when idle
-    (`trim_memory`). Measured in docs/reliability.md."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(-3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (also stops glibc raising it by itself)
-        libc.mallopt(-1, 32 * 1024 * 1024)  # M_TRIM_THRESHOLD: the rest waits for the idle trim
-
-
-def trim_memory() -> None:
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    try:
-        libc = ctypes.CDLL(name)
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None

@@ -1,0 +1,1 @@
+"""The HTTP transport: the only place that knows uvicorn, Starlette and FastAPI."""
