@@ -18,7 +18,6 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagge
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import Settings, get_settings
@@ -30,8 +29,10 @@ from service.core.logs import configure_logging, flush_logs
 from service.core.memory import release_memory_eagerly
 from service.core.metrics import MULTIPROCESS, Metrics
 from service.core.runtime import Registry
-from service.http.endpoint import RequestContext, is_infer
+from service.http.endpoint import InferenceEndpoint, RequestContext, inference_route
 from service.http.routes import attend, health, models, page, v2
+from service.protocols.attend import AttendCodec
+from service.protocols.v2 import InferCodec, parse_path
 
 log = logging.getLogger("service")
 
@@ -43,20 +44,17 @@ _ASSETS_URL = "/docs-assets"
 
 class AttendApp(FastAPI):
     """FastAPI, with the inference routes (POST /attend, POST /v2/models/.../infer) handed to their
-    endpoints before FastAPI's own request handling (routing, exception middleware, telemetry
-    hooks): ~45 us a request that the book's toy request (~20 us of attention) would otherwise pay.
-    Everything else goes through FastAPI as usual."""
+    endpoints before FastAPI's own request handling (routing, middleware, exception handlers,
+    telemetry hooks): ~45 us a request that the book's toy request (~20 us of attention) would
+    otherwise pay. Everything else goes through FastAPI as usual."""
 
-    fast_attend: ASGIApp | None = None
-    fast_infer: ASGIApp | None = None
+    inference: dict[str, ASGIApp]  # service.http.endpoint.inference_route's names -> their endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.fast_attend is not None and scope["type"] == "http" and scope["method"] == "POST":
-            path = scope["path"]
-            if path == "/attend":
-                return await self.fast_attend(scope, receive, send)
-            if is_infer(path):
-                return await self.fast_infer(scope, receive, send)  # type: ignore[misc]
+        if scope["type"] == "http":
+            route = inference_route(scope["method"], scope["path"])
+            if route is not None:
+                return await self.inference[route](scope, receive, send)
         await super().__call__(scope, receive, send)
 
 
@@ -149,13 +147,11 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     install_error_handlers(app)
     _offline_docs(app)
     page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
-    endpoint = app.state.attend = attend.AttendEndpoint(app.state)
-    infer = app.state.infer = v2.InferEndpoint(app.state)
-    # The inference routes: the endpoints themselves (their own request ID and access log), ahead of
-    # the route that documents /attend; RequestContext skips them.
-    app.router.routes.append(Route("/attend", endpoint, methods=["POST"], include_in_schema=False))
-    for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):
-        app.router.routes.append(Route(path, infer, methods=["POST"], include_in_schema=False))
+    # The inference routes: endpoints ahead of FastAPI (their own request ID, access log and CORS
+    # headers); the route of attend.router only documents /attend. RequestContext skips them.
+    app.state.attend = InferenceEndpoint(app.state, AttendCodec())
+    app.state.infer = InferenceEndpoint(app.state, InferCodec(settings.max_body_bytes), parse_path)
+    app.inference = {"attend": app.state.attend, "v2": app.state.infer}
     app.include_router(attend.router)
     # Without keys there is nothing to check: no dependency at all on the request path.
     protected = [Depends(require_api_key)] if app.state.api_keys else []
@@ -166,12 +162,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.include_router(v2.health_router)
     app.include_router(v2.repository_router, dependencies=[Depends(require_admin)])
     if settings.cors_origin_list():
-        # CORS headers come from the middleware: /attend goes through FastAPI's stack (and its route).
+        # The preflight, and CORS headers on every other route (the inference endpoints add their own).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Request-Timeout-Ms"],
                            expose_headers=["X-Request-ID", "Retry-After"])
-    else:
-        app.fast_attend, app.fast_infer = endpoint, infer
     app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
 

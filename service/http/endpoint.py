@@ -1,18 +1,18 @@
-"""What every protocol's inference route does, once, below its codec: the request ID and access log
-line, readiness, the API key, the deadline, the body (bounded), the in-flight count, the metrics,
-and turning errors into responses. A protocol (service/http/routes/attend.py for /attend, v2.py for the
-Open Inference Protocol) subclasses `InferenceEndpoint` with its decode, its encoder and its error body.
-`RequestContext` gives every other route its request ID and access log line.
+"""What every protocol's inference route does, once, around its codec (service.protocols.codec):
+the request ID and access log line, readiness, the API key, the deadline, the body (bounded), the
+in-flight count, the metrics, CORS, and turning errors into responses in the codec's error body.
+`inference_route` is the one table of inference routes; `RequestContext` gives every other route its
+request ID and access log line.
 
 These are plain ASGI apps rather than FastAPI routes because FastAPI's request handling costs ~45 us a
 request (measured: `python bench/asgi_overhead.py`), twice the book's toy request's whole session
-run; `service.http.app` calls them before FastAPI's stack (or through a route, when CORS needs the
-middleware).
+run; `service.http.app.AttendApp` calls them before FastAPI's stack, with CORS on or off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -25,18 +25,10 @@ from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, Not
 from service.core.logs import log_access, new_request_id, request_id
 from service.core.metrics import MULTIPROCESS
 from service.core.request import Request
-from service.http.extensions import JSON, Headers, disconnect_probe, read_body, send_body
+from service.http.extensions import Headers, disconnect_probe, read_body, send_body
+from service.protocols.codec import Codec, Target
 
 log = logging.getLogger("service")
-
-
-def media_type(headers: dict[bytes, bytes]) -> str | None:
-    raw = headers.get(b"content-type")
-    if raw is None:
-        return None
-    if raw == JSON:  # what nearly every client sends
-        return "application/json"
-    return raw.decode("latin-1").split(";")[0].strip().lower()
 
 
 def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | None = None) -> float:
@@ -61,43 +53,55 @@ def _deadline_passed(task: asyncio.Task, passed: list[bool]) -> None:
     task.cancel()
 
 
+_NO_TARGET: Target = (None, None)
+
+
+def _attend_target(path: str) -> Target:
+    return _NO_TARGET
+
+
+def inference_route(method: str, path: str) -> str | None:
+    """Which inference endpoint serves this request ("attend", "v2"), or None: not an inference route."""
+    if method == "POST":
+        if path == "/attend":
+            return "attend"
+        if path.startswith("/v2/models/") and path.endswith("/infer"):
+            return "v2"
+    return None
+
+
 class InferenceEndpoint:
-    """An inference route. What it reads on every request is bound here, not looked up on the app's
-    state (a Starlette State attribute costs a Python-level __getattr__ each)."""
+    """An inference route: its codec, and how the route names its target. What it reads on every
+    request is bound here, not looked up on the app's state (a Starlette State attribute costs a
+    Python-level __getattr__ each)."""
 
-    method_path = "POST /"  # for the access log
-
-    def __init__(self, state: Any):
+    def __init__(self, state: Any, codec: Codec, target_of: Any = _attend_target):
         self.state = state  # readiness (`serving`) lives there: the lifespan and the server change it
         self.settings = state.settings
         self.metrics = state.metrics
         self.api_keys: tuple[bytes, ...] = state.api_keys
         self.dataplane: Any = None  # bound by the lifespan, once the models are loaded
+        self.codec = codec
+        self.target_of = target_of  # the route's (model, version) from the path
+        self.error_body = codec.error_body
+        origins = state.settings.cors_origin_list()
+        self.cors_all = "*" in origins
+        self.cors = frozenset(o.encode("latin-1") for o in origins)
 
-    # The codec: what a protocol defines.
+    def _cors(self, headers: dict[bytes, bytes], extra: Headers) -> None:
+        """CORS on a response (Starlette's CORSMiddleware answers the preflight)."""
+        origin = headers.get(b"origin")
+        if origin is not None and (self.cors_all or origin in self.cors):
+            extra.append((b"access-control-allow-origin", b"*" if self.cors_all else origin))
+            if not self.cors_all:
+                extra.append((b"vary", b"Origin"))
+            extra.append((b"access-control-expose-headers", b"X-Request-ID, Retry-After"))
 
-    def check_media_type(self, headers: dict[bytes, bytes]) -> None:
-        """Raise UnsupportedMediaType for a body this protocol does not read."""
-
-    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes,
-                     until: float) -> tuple[Request, Encoder]:
-        raise NotImplementedError
-
-    def response(self, content: Any) -> tuple[bytes, Headers, bytes]:
-        """The encoder's result as (body, extra headers, content type)."""
-        return content, [], JSON
-
-    def error_body(self, error: ServiceError) -> bytes:
-        raise NotImplementedError
-
-    def model_of(self, scope: Scope) -> str:
-        """The model's name for the metrics' label before the body is decoded ("-": not known yet)."""
-        return "-"
-
-    def aligned_at(self, headers: dict[bytes, bytes]) -> int | None:
-        """Where a body that `decode` takes as a memoryview should be 64-byte aligned (None: it takes
-        bytes)."""
-        return None
+    def model_of(self, target: Target) -> str:
+        """The model's name for the metrics' label before the body is decoded: a label only for models
+        that exist ("-" otherwise: a client's made-up names must not grow the metrics)."""
+        name = target[0]
+        return name if name is not None and self.dataplane.registry.get(name) is not None else "-"
 
     # The rest: the same for every protocol.
 
@@ -109,6 +113,8 @@ class InferenceEndpoint:
         rid, rid_header = new_request_id(headers.get(b"x-request-id"))
         token = request_id.set(rid)
         extra = [(b"x-request-id", rid_header)]
+        if self.cors:
+            self._cors(headers, extra)
         status = 500
         try:
             status = await self._serve(scope, headers, receive, send, extra, start)
@@ -122,7 +128,7 @@ class InferenceEndpoint:
         await send_body(send, error.status, self.error_body(error), [*headers, *extra], hold=hold, respond=respond)
         return error.status
 
-    async def _read_and_decode(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive,
+    async def _read_and_decode(self, scope: Scope, target: Target, headers: dict[bytes, bytes], receive: Receive,
                                until: float) -> tuple[Request, Encoder]:
         """The body, read and decoded, within the request's deadline: on a loaded server the body of
         a large request can take seconds to come in, and its decode waits for a thread (past the
@@ -133,10 +139,12 @@ class InferenceEndpoint:
         passed: list[bool] = []  # [True] once the deadline's timer has cancelled the task
         timer = loop.call_later(max(until - time.monotonic(), 0), _deadline_passed, task, passed)
         try:
-            aligned_at = self.aligned_at(headers)
+            aligned_at = self.codec.aligned_at(headers)
             claim = None if aligned_at is None else (scope.get("extensions") or {}).get("attend.body")
             body = await read_body(receive, headers, self.settings.max_body_bytes, claim, aligned_at or 0)
-            request = await self.decode(scope, headers, body, until)
+            dataplane = self.dataplane
+            request = await dataplane.decode_async(functools.partial(self.codec.decode, dataplane, target, headers),
+                                                   body, until)
             del body  # decoded: the arrays are what the request holds from here (memory in flight)
             return request
         except asyncio.CancelledError:
@@ -163,18 +171,20 @@ class InferenceEndpoint:
             metrics.model("-").status(503).inc()
             return await self.send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}),
                                          extra, hold, respond)
-        model = self.model_of(scope)
+        model = "-"
         dataplane.in_flight += 1
         dataplane.served_since_trim += 1
         if MULTIPROCESS:
             metrics.in_flight.inc()
         try:
+            target = self.target_of(scope["path"])
+            model = self.model_of(target)
             if self.api_keys:
                 check_api_key(headers.get(b"authorization"), self.api_keys)
-            self.check_media_type(headers)
+            self.codec.check_media_type(headers)
             settings = self.settings
             until = deadline(headers, settings.request_timeout_s, extensions.get("attend.arrived"))
-            request, encode = await self._read_and_decode(scope, headers, receive, until)
+            request, encode = await self._read_and_decode(scope, target, headers, receive, until)
             model = request.model.name
             content = await dataplane.infer(request, until, encode, disconnect_probe(extensions, receive))
         except ServiceError as e:
@@ -196,7 +206,7 @@ class InferenceEndpoint:
         if MULTIPROCESS:
             metrics.worker_served.inc()
         children.latency.observe(time.perf_counter() - start)
-        body, more, content_type = self.response(content)
+        body, more, content_type = self.codec.response(content)
         await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
         return 200
 
@@ -206,9 +216,8 @@ class RequestContext:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "POST" and (
-                scope["path"] == "/attend" or (scope["path"].startswith("/v2/") and scope["path"].endswith("/infer")))):
-            await self.app(scope, receive, send)  # the inference routes do their own (service.http.endpoint)
+        if scope["type"] != "http" or inference_route(scope["method"], scope["path"]) is not None:
+            await self.app(scope, receive, send)  # the inference routes do their own (InferenceEndpoint)
             return
         rid, rid_bytes = new_request_id(next((v for k, v in scope["headers"] if k == b"x-request-id"), None))
         token = request_id.set(rid)
@@ -227,7 +236,3 @@ class RequestContext:
         finally:
             log_access(scope["method"], scope["path"], status, time.perf_counter() - start)
             request_id.reset(token)
-
-
-def is_infer(path: str) -> bool:
-    return path.startswith("/v2/models/") and path.endswith("/infer")

@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 import simdjson
 
+from service.core.batching import Encoder
 from service.core.errors import (
     _EXCERPT,
     InvalidJSON,
@@ -38,11 +39,13 @@ from service.core.errors import (
     ModelNotFound,
     ModelUnavailable,
     ServiceError,
+    UnsupportedMediaType,
     excerpt,
     json_type,
 )
 from service.core.request import Request, RequestLimits, _check_valid_lens, _checked_feed, _pattern, build_request
 from service.core.runtime import LoadedModel, Registry
+from service.protocols.codec import JSON, Headers, Target, media_type
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values", "scores")
@@ -543,3 +546,26 @@ def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMI
     benchmark's and the tests' reference."""
     request = decode_body(body, registry, limits)
     return encode_attend(request.model, request.model.run(request.feed), request.return_weights)
+
+
+class AttendCodec:
+    """POST /attend: JSON in (`decode_body`), JSON out (`encode_attend`), errors in the service's one
+    error body (service.core.errors.ServiceError.body)."""
+
+    def check_media_type(self, headers: Headers) -> None:
+        media = media_type(headers)
+        if media is not None and media not in ("application/json", "") and not media.endswith("+json"):
+            raise UnsupportedMediaType(f"Content-Type must be application/json, got {media[:100]}",
+                                       expected="application/json", received=media[:100])
+
+    def aligned_at(self, headers: Headers) -> None:
+        return None
+
+    def decode(self, core: Any, target: Target, headers: Headers, body: bytes) -> tuple[Request, Encoder]:
+        return decode_body(body, core.registry, core.limits), encode_attend
+
+    def response(self, content: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
+        return content, [], JSON
+
+    def error_body(self, error: ServiceError) -> bytes:
+        return orjson.dumps(error.body())

@@ -31,7 +31,9 @@ from service.core.errors import (
     excerpt,
     json_type,
 )
+from service.core.request import Request, RequestLimits, _model, build_request
 from service.core.runtime import LoadedModel
+from service.protocols.codec import JSON, Headers, Target, media_type
 
 OCTETS = b"application/octet-stream"
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
@@ -263,3 +265,96 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
     return encode
 
 
+class InferCodec:
+    """POST /v2/models/{m}[/versions/{v}]/infer: JSON tensors or binary ones in, as asked out; errors
+    in the protocol's `{"error": "<message>"}`."""
+
+    def __init__(self, max_body_bytes: int):
+        self.max_body_bytes = max_body_bytes  # what a compressed body may inflate to
+
+    def aligned_at(self, headers: Headers) -> int:
+        # The binary tensors start after the JSON header: read in place where they are aligned.
+        length = headers.get(b"inference-header-content-length")
+        return int(length) if length is not None and length.isdigit() else 0
+
+    def check_media_type(self, headers: Headers) -> None:
+        # tritonclient's sync client sends no Content-Type at all; its aio client application/octet-stream.
+        media = media_type(headers)
+        if media not in (None, "", "application/json", "application/octet-stream") and not media.endswith("+json"):
+            raise UnsupportedMediaType(f"Content-Type must be application/json or application/octet-stream, "
+                                       f"got {media[:100]}")
+
+    def decode(self, core: Any, target: Target, headers: Headers, body: bytes | memoryview
+               ) -> tuple[Request, Encoder]:
+        model = _model(core.registry, *target)
+        try:
+            return self.decode_for(model, headers, body, core.limits)
+        except ServiceError as e:
+            e.model = model.name
+            raise
+
+    def decode_for(self, model: LoadedModel, headers: Headers, body: bytes | memoryview, limits: RequestLimits
+                   ) -> tuple[Request, Encoder]:
+        """The request for `model` (resolved already) from the body."""
+        body = _decompress(body, headers.get(b"content-encoding"), self.max_body_bytes)
+        header_length = headers.get(b"inference-header-content-length")
+        if header_length is None:
+            split = len(body)
+        else:
+            if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
+                raise BadRequest(f"Inference-Header-Content-Length must be between 1 and the body's {len(body)} "
+                                 f"bytes, got {excerpt(header_length.decode('latin-1'))}")
+            split = int(header_length)
+        try:
+            head = simdjson.Parser().parse(body[:split] if split < len(body) else body)
+        except (ValueError, RuntimeError, UnicodeDecodeError):
+            try:
+                head = orjson.loads(body[:split])
+            except orjson.JSONDecodeError as e:
+                raise BadRequest(f"the inference request is not valid JSON: {e.msg} (line {e.lineno} column "
+                                 f"{e.colno})") from None
+        if not isinstance(head, simdjson.Object | dict):
+            raise BadRequest(f"the inference request must be a JSON object, got {json_type(head)}")
+        request_id = head.get("id")
+        if request_id is not None and not isinstance(request_id, str):
+            raise BadRequest(f"id must be a string, got {json_type(request_id)}")
+        parameters = head.get("parameters")
+        if isinstance(parameters, simdjson.Object):
+            parameters = parameters.as_dict()
+        inputs = head.get("inputs")
+        if not isinstance(inputs, simdjson.Array | list):
+            raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
+        reader, seen, tensors = _Reader(memoryview(body)[split:]), set(), {}
+        for entry in inputs:
+            if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
+                entry = {k: v if k == "data" else v.as_list() if isinstance(v, simdjson.Array)
+                         else v.as_dict() if isinstance(v, simdjson.Object) else v for k, v in entry.items()}
+            name, array = _tensor(entry, model, reader, seen)
+            tensors[name] = array
+        reader.done()
+        missing = [s.name for s in model.inputs() if s.name not in tensors and s.name != "valid_lens"]
+        if missing:
+            raise BadRequest(f"model {model.name} needs input(s) {', '.join(missing)}")
+        outputs = head.get("outputs")
+        if isinstance(outputs, simdjson.Array):
+            outputs = outputs.as_list()
+        wanted = _requested(outputs, model, _flag(parameters, "binary_data_output"))
+        lens = tensors.pop("valid_lens", None)
+        try:
+            request = build_request(model, tensors, lens, any(n == "attention_weights" for n, _ in wanted),
+                                      limits)
+        except ServiceError as e:  # /attend's checks, said the protocol's way: which input
+            if e.field in model.input_names and not e.message.startswith("input "):
+                e.message = f"input {e.field}: {e.message}"
+            raise
+        return request, _encoder(model, wanted, request_id)
+
+    def response(self, content: tuple[bytes | list, int | None]
+                 ) -> tuple[bytes | list, list[tuple[bytes, bytes]], bytes]:
+        body, header_length = content
+        if header_length is None:
+            return body, [], JSON
+        return body, [(b"inference-header-content-length", str(header_length).encode())], OCTETS
+
+    def error_body(self, error: ServiceError) -> bytes:
+        return error_json(error)

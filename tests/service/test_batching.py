@@ -520,10 +520,11 @@ async def test_a_deadline_passing_while_the_decode_thread_is_busy_is_504_and_nev
     thread comes free the decode is not started."""
     small = settings.model_copy(update={"inline_decode_bytes": 100, "inference_threads": 1})
     async with _started(small) as app:
-        endpoint = app.state.attend
+        codec = app.state.attend.codec
         decoded = []
-        original = endpoint._decode
-        endpoint._decode = lambda body: decoded.append(len(body)) or original(body)
+        original = codec.decode
+        codec.decode = lambda core, target, headers, body: decoded.append(len(body)) or original(core, target,
+                                                                                                  headers, body)
         release = threading.Event()
         app.state.dataplane._decoder.submit(release.wait)  # the one decode thread, busy
         body = json.dumps(toy_request()).encode()

@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import time
-import types
 
 import httpx
 import numpy as np
@@ -20,9 +19,8 @@ import orjson
 import pytest
 
 from service.config import Settings
-from service.core.metrics import Metrics
 from service.http.protocol import BodySink, GuardedProtocol
-from service.http.routes.v2 import InferEndpoint
+from service.protocols.v2 import InferCodec
 from tests.server import running_service, uvicorn_in_thread
 from tests.service.test_overload import read_response
 
@@ -168,7 +166,7 @@ def test_the_sink_places_the_aligned_byte(aligned_at):
 
 def test_binary_tensors_of_an_aligned_body_are_read_in_place(repository):
     """What the alignment is for: the inputs ONNX Runtime gets are views of the body, not copies."""
-    from service.core.dataplane import Dataplane
+    from service.core.request import RequestLimits
     from service.core.runtime import Registry
 
     x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
@@ -176,9 +174,8 @@ def test_binary_tensors_of_an_aligned_body_are_read_in_place(repository):
               for n in ("queries", "keys", "values")]
     head = json.dumps({"inputs": inputs}).encode()
     raw = head + x.tobytes() * 3
-    endpoint = InferEndpoint(types.SimpleNamespace(settings=Settings(), metrics=Metrics(), api_keys=()))
-    endpoint.dataplane = Dataplane(Registry.load(repository, "cpu", 1), Metrics())
-    model = endpoint.dataplane.registry.get("dot_product")
+    codec = InferCodec(Settings().max_body_bytes)
+    model = Registry.load(repository, "cpu", 1).get("dot_product")
     headers = {b"inference-header-content-length": str(len(head)).encode()}
     import asyncio
 
@@ -190,11 +187,12 @@ def test_binary_tensors_of_an_aligned_body_are_read_in_place(repository):
         body = sink.done.result()
     finally:
         loop.close()
-    request, _ = endpoint._decode(model, headers, body)
+    request, _ = codec.decode_for(model, headers, body, RequestLimits())
     for name in ("queries", "keys", "values"):
         assert np.shares_memory(request.feed[name], np.frombuffer(body, dtype=np.uint8)), name
         np.testing.assert_array_equal(request.feed[name], x)
-    unaligned, _ = endpoint._decode(model, headers, raw)  # bytes, the header's odd length: copied, same values
+    # bytes, the header's odd length: copied, same values
+    unaligned, _ = codec.decode_for(model, headers, raw, RequestLimits())
     for name in ("queries", "keys", "values"):
         np.testing.assert_array_equal(unaligned.feed[name], x)
 

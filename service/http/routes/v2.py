@@ -17,32 +17,17 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-import simdjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.types import Scope
 
-from service.core.batching import Encoder
 from service.core.dataplane import check_ready
-from service.core.errors import ServiceError, UnsupportedMediaType, excerpt, json_type
-from service.core.request import Request as Inference
-from service.core.request import _model, build_request
-from service.core.runtime import LoadedModel
-from service.http.endpoint import JSON, Headers, InferenceEndpoint, media_type
+from service.core.errors import ServiceError
+from service.core.request import _model
 from service.http.schemas import protocol_errors
 from service.protocols.v2 import (
-    OCTETS,
     BadRequest,
-    _decompress,
-    _encoder,
-    _flag,
-    _Reader,
-    _requested,
-    _tensor,
     config,
-    error_json,
     metadata,
-    parse_path,
 )
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])
@@ -103,107 +88,6 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
     settings = request.app.state.settings
     return _json(config(_model(request.app.state.registry, name, version), settings.max_batch))
-
-
-class InferEndpoint(InferenceEndpoint):
-    """POST /v2/models/{m}[/versions/{v}]/infer."""
-
-    def model_of(self, scope: Scope) -> str:
-        # A label only for models that exist: a client's made-up names must not grow the metrics.
-        try:
-            name, _ = parse_path(scope["path"])
-        except ServiceError:
-            return "-"
-        return name if self.dataplane is not None and self.dataplane.registry.get(name) is not None else "-"
-
-    def aligned_at(self, headers: dict[bytes, bytes]) -> int:
-        # The binary tensors start after the JSON header: read in place where they are aligned.
-        length = headers.get(b"inference-header-content-length")
-        return int(length) if length is not None and length.isdigit() else 0
-
-    def check_media_type(self, headers: dict[bytes, bytes]) -> None:
-        # tritonclient's sync client sends no Content-Type at all; its aio client application/octet-stream.
-        media = media_type(headers)
-        if media not in (None, "", "application/json", "application/octet-stream") and not media.endswith("+json"):
-            raise UnsupportedMediaType(f"Content-Type must be application/json or application/octet-stream, "
-                                       f"got {media[:100]}")
-
-    async def decode(self, scope: Scope, headers: dict[bytes, bytes], body: bytes | memoryview,
-                     until: float) -> tuple[Inference, Encoder]:
-        name, version = parse_path(scope["path"])
-        model = _model(self.dataplane.registry, name, version)
-
-        def decode(raw: bytes) -> tuple[Inference, Encoder]:
-            try:
-                return self._decode(model, headers, raw)
-            except ServiceError as e:
-                e.model = model.name
-                raise
-
-        return await self.dataplane.decode_async(decode, body, until)
-
-    def _decode(self, model: LoadedModel, headers: dict[bytes, bytes], body: bytes) -> tuple[Inference, Encoder]:
-        body = _decompress(body, headers.get(b"content-encoding"), self.settings.max_body_bytes)
-        header_length = headers.get(b"inference-header-content-length")
-        if header_length is None:
-            split = len(body)
-        else:
-            if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
-                raise BadRequest(f"Inference-Header-Content-Length must be between 1 and the body's {len(body)} "
-                                 f"bytes, got {excerpt(header_length.decode('latin-1'))}")
-            split = int(header_length)
-        try:
-            request = simdjson.Parser().parse(body[:split] if split < len(body) else body)
-        except (ValueError, RuntimeError, UnicodeDecodeError):
-            try:
-                request = orjson.loads(body[:split])
-            except orjson.JSONDecodeError as e:
-                raise BadRequest(f"the inference request is not valid JSON: {e.msg} (line {e.lineno} column "
-                                 f"{e.colno})") from None
-        if not isinstance(request, simdjson.Object | dict):
-            raise BadRequest(f"the inference request must be a JSON object, got {json_type(request)}")
-        request_id = request.get("id")
-        if request_id is not None and not isinstance(request_id, str):
-            raise BadRequest(f"id must be a string, got {json_type(request_id)}")
-        parameters = request.get("parameters")
-        if isinstance(parameters, simdjson.Object):
-            parameters = parameters.as_dict()
-        inputs = request.get("inputs")
-        if not isinstance(inputs, simdjson.Array | list):
-            raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
-        reader, seen, tensors = _Reader(memoryview(body)[split:]), set(), {}
-        for entry in inputs:
-            if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
-                entry = {k: v if k == "data" else v.as_list() if isinstance(v, simdjson.Array)
-                         else v.as_dict() if isinstance(v, simdjson.Object) else v for k, v in entry.items()}
-            name, array = _tensor(entry, model, reader, seen)
-            tensors[name] = array
-        reader.done()
-        missing = [s.name for s in model.inputs() if s.name not in tensors and s.name != "valid_lens"]
-        if missing:
-            raise BadRequest(f"model {model.name} needs input(s) {', '.join(missing)}")
-        outputs = request.get("outputs")
-        if isinstance(outputs, simdjson.Array):
-            outputs = outputs.as_list()
-        wanted = _requested(outputs, model, _flag(parameters, "binary_data_output"))
-        lens = tensors.pop("valid_lens", None)
-        try:
-            inference = build_request(model, tensors, lens, any(n == "attention_weights" for n, _ in wanted),
-                                      self.dataplane.limits)
-        except ServiceError as e:  # /attend's checks, said the protocol's way: which input
-            if e.field in model.input_names and not e.message.startswith("input "):
-                e.message = f"input {e.field}: {e.message}"
-            raise
-        return inference, _encoder(model, wanted, request_id)
-
-    def response(self, content: tuple[bytes | list, int | None]) -> tuple[bytes | list, Headers, bytes]:
-        body, header_length = content
-        if header_length is None:
-            return body, [], JSON
-        return body, [(b"inference-header-content-length", str(header_length).encode())], OCTETS
-
-    def error_body(self, error: ServiceError) -> bytes:
-        return error_json(error)
 
 
 repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol: model repository"])
