@@ -20,10 +20,11 @@ import sys
 import uvicorn
 
 from service.config import get_settings
+from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
-from service.http.app import create_app, load_registry
+from service.http.app import create_app
 from service.http.server import GracefulServer, raise_file_limit, run_workers, uvicorn_options
 
 log = logging.getLogger("service")

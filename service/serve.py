@@ -110,8 +110,7 @@ def build_app() -> _OneRequestId:
     async def in_replica(app: FastAPI) -> AsyncIterator[None]:
         async with lifespan(app):
             requests = _RequestsInReplica(app.state.dataplane)
-            app.state.dataplane.server_tasks = requests
-            app.state.scheduler.busy_clients = requests
+            app.state.dataplane.set_load_hint(requests, requests)
             yield
 
     app.router.lifespan_context = in_replica

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
-from service.core.metrics import MULTIPROCESS, Metrics
+from service.core.metrics import Metrics
 from service.core.request import Request
 from service.core.runtime import LoadedModel
 
@@ -395,8 +395,7 @@ class Batcher:
         self.stepping = True
         try:
             await asyncio.sleep(0)
-            if not self.scheduler.paused:
-                await self.step()
+            await self.step()
         finally:
             self.stepping = False
             if self.size:
@@ -405,7 +404,7 @@ class Batcher:
     async def loop(self) -> None:
         scheduler = self.scheduler
         while True:
-            while not self.size or scheduler.paused or self.stepping:
+            while not self.size or self.stepping:
                 self._waiter = scheduler.loop.create_future()
                 await self._waiter
             self.stepping = True
@@ -439,12 +438,8 @@ class Scheduler:
         self.threads = asyncio.Semaphore(threads)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="inference")
         self.queued = 0
-        # The queue-depth gauge: read at scrape time from `queued` (a Gauge.set takes a lock, ~1 us,
-        # twice a request); with workers, each sets its own value as it changes.
-        self.depth_gauge = metrics.queue_depth if MULTIPROCESS else None
-        if not MULTIPROCESS:
-            metrics.queue_depth.set_function(lambda: self.queued)
-        self.paused = False
+        # The queue-depth gauge: read at scrape time from `queued`; with workers, set as it changes.
+        self.depth_gauge = metrics.track_queue_depth(lambda: self.queued)
         # The HTTP server's busy clients, where it tells (python -m service: a BusyConnections):
         # how many requests a batch can expect at most.
         self.busy_clients: Sized | None = None
@@ -501,15 +496,6 @@ class Scheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.executor.shutdown(wait=False)
 
-    def pause(self) -> None:
-        """Hold every queue: requests wait (and may time out) until `resume`."""
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-        for batcher in self.batchers.values():
-            batcher.wake()
-
     async def submit(self, job: Job, alone: bool = False) -> Any:
         """Queue `job` and wait for its response body; 503 at once when the queue is full, 504
         when the deadline passes first. `alone`: no other request is in progress in the server."""
@@ -518,7 +504,7 @@ class Scheduler:
             raise Overloaded(f"the queue is full ({self.limits.max_queue} requests waiting); retry shortly",
                              headers={"Retry-After": "1"})
         batcher = self.batcher_for(job.request.model)
-        idle = not batcher.stepping and not batcher.size and not self.paused
+        idle = not batcher.stepping and not batcher.size
         if idle and alone and batcher._inline([job], self.limits.alone_inline_run_s):
             return batcher.run_alone(job)
         loop = self.loop

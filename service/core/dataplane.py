@@ -1,31 +1,68 @@
-"""The work of one request, below every protocol: decode (inline or on a thread, within the
-deadline) -> queue (batching, deadline) -> run -> encode; the API key check, readiness, and the
-heap trimmed when idle.
+"""The infer core that every transport holds: one `Dataplane` a process (an app), below every protocol.
 
-The protocols' codecs (service/protocols: /attend's and the Open Inference Protocol's) decode their
-bodies into a `Request` and hand it here with an encoder of their own; the batching, the limits and
-the metrics are here, once, below every codec.
+    open()/close()        the models loaded and warmed up, the batching and model control started;
+                          then stopped, what is queued finished first
+    ready, check_ready()  readiness (off at SIGTERM: `stop_accepting`); `serving` stays on while draining
+    admit() ... release() one request's admission (readiness, the API key) and accounting (in flight,
+                          the request metrics by model and status, 499 for a client that went away)
+    deadline()            when a request must be answered (ATTEND_REQUEST_TIMEOUT_S, or the client's
+                          shorter X-Request-Timeout-Ms); `within(until)` bounds the body's read and decode
+    decode_async()        a codec's decode, on the event loop for small bodies, on a decode thread otherwise
+    infer()               the batching queue, the session run, the codec's encoder
+    set_load_hint()       what the server says of its load: requests in progress, busy clients
+
+A transport (service.http.endpoint, and any other) turns its bytes into calls of these and nothing
+more, so that a second transport cannot forget a check. Knows no web framework.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
-import anyio
-
-from service.core.batching import Encoder, Job, Scheduler
-from service.core.errors import DeadlineExceeded, NotReady, Unauthorized
+from service.core.batching import BatchLimits, Encoder, Job, Scheduler
+from service.core.control import ModelControl
+from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, ServiceError, Unauthorized
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits
 from service.core.runtime import Registry
 
+log = logging.getLogger("service")
 T = TypeVar("T")
+
+
+class CoreSettings(Protocol):
+    """What the core reads of the settings (service.config.Settings has it all)."""
+
+    model_repository: Path
+    device: str
+    cuda_tf32: bool
+    warmup: bool
+    skip_broken_models: bool
+    inline_decode_bytes: int
+    request_timeout_s: float
+    keep_versions: int
+    grace_period_s: float
+    poll_s: float
+
+    def request_limits(self) -> RequestLimits: ...
+    def batch_limits(self) -> BatchLimits: ...
+    def resolved_intra_op_threads(self) -> int: ...
+    def resolved_inference_threads(self) -> int: ...
+    def api_key_list(self) -> tuple[bytes, ...]: ...
+
+
+def load_registry(settings: CoreSettings) -> Registry:
+    """Every model of the repository, loaded, checked and warmed up (StartupError: why not)."""
+    return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
+                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models)
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -33,61 +70,203 @@ def _retrieved(future: asyncio.Future) -> None:
         future.exception()
 
 
-class Dataplane:
-    def __init__(self, registry: Registry, metrics: Metrics, limits: RequestLimits | None = None,
-                 scheduler: Scheduler | None = None, decode_threads: int = 1, inline_decode_bytes: int = 1 << 20):
-        self.registry = registry
-        self.metrics = metrics
-        self.limits = limits or RequestLimits()
-        self.scheduler = scheduler
-        self.inline_decode_bytes = inline_decode_bytes
-        self.in_flight = 0  # requests between their codec's start and end (the in-flight gauge reads it)
-        self.served_since_trim = 0  # requests since the heap was last trimmed (_trim_memory_when_idle)
-        # The HTTP server's set of requests in progress, where it tells (uvicorn run by python -m
-        # service): a request that is the only one has nobody to wait for to share a batch.
-        self.server_tasks: set | None = None
-        self._decoder = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if scheduler else None
+class _Within:
+    """`Dataplane.within`: cancels the task at `until`, and turns that cancellation (not another's)
+    into DeadlineExceeded."""
 
-    def close(self) -> None:
+    __slots__ = ("task", "timer", "passed", "what")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, until: float, what: str):
+        self.task = asyncio.current_task(loop)
+        self.passed = False
+        self.what = what
+        self.timer = loop.call_later(max(until - time.monotonic(), 0), self._expire)
+
+    def _expire(self) -> None:
+        self.passed = True
+        self.task.cancel()  # type: ignore[union-attr]
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        self.timer.cancel()
+        if not self.passed:
+            return  # done in time; or cancelled by another (the server stopping): theirs to handle
+        self.task.uncancel()  # type: ignore[union-attr]
+        if kind is not asyncio.CancelledError:
+            # The timer fired as the block ended, or failed on its own: the cancellation is still
+            # pending, and would hit the next await of the task (its answer). Taken here.
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pass
+            if kind is not None:
+                return  # the block's own error
+        raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
+
+
+class Dataplane:
+    """The core of one app: see the module's docstring. Built with the app, opened by its lifespan."""
+
+    def __init__(self, settings: CoreSettings, metrics: Metrics | None = None, registry: Registry | None = None):
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.limits = settings.request_limits()
+        self.api_keys = settings.api_key_list()
+        self.request_timeout_s = settings.request_timeout_s
+        self.inline_decode_bytes = settings.inline_decode_bytes
+        self.registry: Registry = registry  # type: ignore[assignment]  # loaded by open() unless given
+        self.scheduler: Scheduler = None  # type: ignore[assignment]  # made by open()
+        self.control: ModelControl = None  # type: ignore[assignment]
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.ready = False  # every model loaded and warmed up, not stopping
+        self.serving = False  # requests are taken: from open() to close(), draining included
+        self.in_flight = 0  # requests between admit() and release() (the in-flight gauge reads it)
+        self.served_since_trim = 0  # requests since the heap was last trimmed (_trim_memory_when_idle)
+        # What the server says of its load (set_load_hint): the requests in progress in the server, where
+        # it tells: a request that is the only one has nobody to wait for to share a batch.
+        self.requests_in_progress: Sized | None = None
+        self._decoder: ThreadPoolExecutor | None = None
+        self.metrics.in_flight_from(lambda: self.in_flight)
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    async def open(self) -> None:
+        """Load the models (in a thread, unless given), start the batching and model control, then
+        be ready. Sessions are created here, once, never at import time."""
+        settings = self.settings
+        self.loop = asyncio.get_running_loop()
+        if self.registry is None:
+            self.registry = await asyncio.to_thread(load_registry, settings)
+        registry = self.registry
+        threads = settings.resolved_inference_threads()
+        self.scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(), threads,
+                                   self.metrics)
+        self.scheduler.start()
+        self._decoder = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s)
+        if settings.poll_s:
+            self.scheduler.spawn(self.control.poll(settings.poll_s))
+        self.scheduler.spawn(_trim_memory_when_idle(self))
+        self.serving = self.ready = True
+        self.metrics.ready.set(1)
+        log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
+
+    async def close(self) -> None:
+        self.ready = self.serving = False
+        self.metrics.ready.set(0)
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         if self._decoder is not None:
             self._decoder.shutdown(wait=False)
+        self.metrics.worker_exit()
+
+    def stop_accepting(self) -> None:
+        """SIGTERM: readiness turns off at once; requests already sent are still served."""
+        self.ready = False
+        self.metrics.ready.set(0)
+
+    def reload_changed(self) -> None:
+        """SIGHUP: load every model whose newest version in the repository is not the one served."""
+        if self.ready:
+            log.info("SIGHUP: loading the models whose newest version changed")
+            self.scheduler.spawn(self.control.reload_changed())
+
+    def set_load_hint(self, requests_in_progress: Sized | None, busy_clients: Sized | None) -> None:
+        """What the server knows of its load, for the batching: the requests in progress (one alone
+        runs at once), and the clients busy sending requests (how many a batch can wait for)."""
+        self.requests_in_progress = requests_in_progress
+        self.scheduler.busy_clients = busy_clients
+
+    def check_ready(self) -> None:
+        """Ready: started, not stopping, and every model that should be served is (one that could not
+        be loaded at start, kept out by ATTEND_SKIP_BROKEN_MODELS, is not; one unloaded on purpose does
+        not count). Raises NotReady saying why."""
+        if not self.ready:
+            raise NotReady("not ready", headers={"Retry-After": "1"})
+        broken = self.registry.broken
+        if broken:
+            raise NotReady(f"not ready: model(s) {', '.join(sorted(broken))} could not be loaded (GET /models "
+                           "says why)")
+
+    # ------------------------------------------------------------------------------- one request
+
+    def admit(self, authorization: bytes | None) -> None:
+        """Take a request in (then `release` it, once): NotReady unless serving, Unauthorized without a
+        valid key where keys are set. Not `ready`: that turns off at SIGTERM, while requests sent
+        before it still get served (the server stops taking new ones itself)."""
+        if not self.serving:
+            raise NotReady("the service is not ready", headers={"Retry-After": "1"})
+        if self.api_keys:
+            check_api_key(authorization, self.api_keys)
+        self.in_flight += 1
+        self.served_since_trim += 1
+        self.metrics.request_started()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.request_ended()
+
+    def answered(self, model: str, status: int, seconds: float) -> None:
+        """A response sent (status and latency by model)."""
+        self.metrics.answered(model, status, seconds)
+
+    def failed(self, model: str, error: ServiceError) -> int:
+        """An error to answer: counted; its status, or 0 where nothing is to be sent (the client went
+        away: 499, as nginx counts it)."""
+        gone = isinstance(error, ClientGone)
+        self.metrics.failed(model, error.status, gone)
+        return 0 if gone else error.status
+
+    def deadline(self, timeout_ms: bytes | str | None, arrived: float | None = None) -> float:
+        """When the request must be answered: ATTEND_REQUEST_TIMEOUT_S, or the client's shorter
+        X-Request-Timeout-Ms, after it arrived (time.monotonic(); now, where the server does not say)."""
+        timeout = self.request_timeout_s
+        if timeout_ms is not None:
+            try:
+                ms = float(timeout_ms)
+            except ValueError:
+                ms = float("nan")
+            if not 0 < ms < float("inf"):  # 0, negative, inf and nan are client mistakes, not deadlines passed
+                shown = timeout_ms.decode("latin-1") if isinstance(timeout_ms, bytes) else timeout_ms
+                raise InvalidHeader("X-Request-Timeout-Ms must be a positive number of milliseconds",
+                                    field="X-Request-Timeout-Ms", received=shown[:100])
+            timeout = min(timeout, ms / 1000)
+        return (arrived if arrived is not None else time.monotonic()) + timeout
+
+    def within(self, until: float, what: str = "its body was read and decoded") -> _Within:
+        """`async with dataplane.within(until):` the block is cancelled at `until` and raises
+        DeadlineExceeded: on a loaded server the body of a large request can take seconds to come in,
+        and its decode waits for a thread (past the deadline: 504, and the decode is never started)."""
+        return _Within(self.loop, until, what)
 
     async def decode_async(self, decode: Callable[[bytes], T], body: bytes, deadline: float) -> T:
-        """`decode(body)` (a protocol's decoder), on the event loop for small bodies (a thread hop
-        costs more than their parse), in a decode thread for large ones; never started once the
-        deadline has passed, and a 504 at the deadline even while it waits for the thread."""
+        """`decode(body)` (a codec's), on the event loop for small bodies (a thread hop costs more than
+        their parse), in a decode thread for large ones, never started once the deadline has passed.
+        The caller bounds the wait (`within`)."""
         if len(body) <= self.inline_decode_bytes:
             return decode(body)
-        loop = asyncio.get_running_loop()
 
         def decode_unless_late() -> T:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
             return decode(body)
 
-        future = loop.run_in_executor(self._decoder, decode_unless_late)
+        future = self.loop.run_in_executor(self._decoder, decode_unless_late)
         # However this ends, nobody may be left to read the decode's result: say it is read.
         future.add_done_callback(_retrieved)
-        timeout = deadline - time.monotonic()
         try:
-            if timeout <= 0:
-                raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
-            done, _ = await asyncio.wait((future,), timeout=timeout)
-            if not done:
-                raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+            return await future
         finally:
             if not future.done():
                 future.cancel()  # still queued: never decoded; decoding: its result is dropped
-        return future.result()
 
-    async def infer(self, request: Request, deadline: float, encode: Encoder,
-                    is_disconnected: Any = None) -> Any:
+    async def infer(self, request: Request, deadline: float, encode: Encoder, is_disconnected: Any = None) -> Any:
         """The encoded response for `request`, through the batching queue."""
-        assert self.scheduler is not None
-        tasks = self.server_tasks
+        tasks = self.requests_in_progress
         return await self.scheduler.submit(Job(request, deadline, encode, is_disconnected),
                                            alone=tasks is not None and len(tasks) <= 1)
-
 
 
 def check_api_key(header: bytes | None, keys: tuple[bytes, ...]) -> None:
@@ -106,17 +285,6 @@ def check_api_key(header: bytes | None, keys: tuple[bytes, ...]) -> None:
                            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
-def check_ready(state: object) -> None:
-    """Ready: started, not stopping, and every model that should be served is (one that could not
-    be loaded at start, kept out by ATTEND_SKIP_BROKEN_MODELS, is not; one unloaded on purpose does
-    not count). Raises NotReady saying why."""
-    if not state.ready:  # type: ignore[attr-defined]
-        raise NotReady("not ready", headers={"Retry-After": "1"})
-    broken = state.registry.broken  # type: ignore[attr-defined]
-    if broken:
-        raise NotReady(f"not ready: model(s) {', '.join(sorted(broken))} could not be loaded (GET /models says why)")
-
-
 async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> None:
     """After requests, once a whole period passed with none arriving and none in flight, give freed
     heap memory back to the system (glibc keeps it otherwise: 400-800 MB stayed resident after a
@@ -126,6 +294,6 @@ async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> 
         await asyncio.sleep(every_s)
         served = dataplane.served_since_trim
         if served and served == seen and not dataplane.in_flight:
-            await anyio.to_thread.run_sync(trim_memory)
+            await asyncio.to_thread(trim_memory)
             dataplane.served_since_trim = served = 0
         seen = served

@@ -11,6 +11,7 @@ prometheus_client then keeps every worker's values in files there, and `expositi
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
@@ -80,6 +81,42 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+    # The request path's accounting; multiprocess mode (ATTEND_WORKERS > 1) stays in here.
+
+    def in_flight_from(self, count: Callable[[], float]) -> None:
+        """The in-flight gauge, read from `count` at scrape time (counted as requests come and go in
+        multiprocess mode, where a scrape reads the files, not this process)."""
+        if not MULTIPROCESS:
+            self.in_flight.set_function(count)
+
+    def track_queue_depth(self, depth: Callable[[], float]) -> Gauge | None:
+        """The queue-depth gauge, read from `depth` at scrape time (a Gauge.set takes a lock, ~1 us,
+        twice a request); in multiprocess mode the gauge, for the caller to set as it changes."""
+        if MULTIPROCESS:
+            return self.queue_depth
+        self.queue_depth.set_function(depth)
+        return None
+
+    def request_started(self) -> None:
+        if MULTIPROCESS:
+            self.in_flight.inc()
+
+    def request_ended(self) -> None:
+        if MULTIPROCESS:
+            self.in_flight.dec()
+
+    def answered(self, model: str, status: int, seconds: float) -> None:
+        children = self.model(model)
+        children.status(status).inc()
+        children.latency.observe(seconds)
+        if MULTIPROCESS:
+            self.worker_served.inc()  # type: ignore[union-attr]
+
+    def failed(self, model: str, status: int, client_gone: bool = False) -> None:
+        self.model(model).status(status).inc()
+        if client_gone:  # not a server error: counted (499, as nginx does), nothing sent
+            self.client_gone.labels(model).inc()
 
     @staticmethod
     def worker_exit() -> None:

@@ -323,11 +323,6 @@ class Registry:
         self.failed: dict[tuple[str, int], str] = {}  # (name, version) -> why its last load failed
         self.loader = loader
 
-    @property
-    def models(self) -> dict[str, LoadedModel]:
-        """The served (newest loaded) version of every model."""
-        return {name: versions[max(versions)] for name, versions in self.versions.items() if versions}
-
     def get(self, name: str, version: int | None = None) -> LoadedModel | None:
         versions = self.versions.get(name)
         if not versions:

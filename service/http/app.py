@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import anyio
 import fastapi_offline
 import orjson
 from fastapi import Depends, FastAPI, Request
@@ -21,13 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import Settings, get_settings
-from service.core.batching import Scheduler
-from service.core.control import ModelControl
-from service.core.dataplane import Dataplane, _trim_memory_when_idle, check_api_key
+from service.core.dataplane import Dataplane, check_api_key
 from service.core.errors import ControlOff, InvalidRequest, ServiceError
 from service.core.logs import configure_logging, flush_logs
 from service.core.memory import release_memory_eagerly
-from service.core.metrics import MULTIPROCESS, Metrics
+from service.core.metrics import Metrics
 from service.core.runtime import Registry
 from service.http.endpoint import InferenceEndpoint, RequestContext, inference_route
 from service.http.routes import attend, health, models, page, v2
@@ -58,47 +55,17 @@ class AttendApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def load_registry(settings: Settings) -> Registry:
-    return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
-                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models)
-
-
-def _lifespan(settings: Settings, preloaded: Registry | None):
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Sessions are created (and warmed up) here, once, never at import time, unless the
-        # caller loaded them already (python -m service does, to fail fast with one line).
-        registry = preloaded or await anyio.to_thread.run_sync(load_registry, settings)
-        app.state.registry = registry
-        scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(),
-                              settings.resolved_inference_threads(), app.state.metrics)
-        scheduler.start()
-        app.state.scheduler = scheduler
-        app.state.dataplane = Dataplane(registry, app.state.metrics, settings.request_limits(), scheduler,
-                                        settings.resolved_inference_threads(), settings.inline_decode_bytes)
-        app.state.control = ModelControl(registry, scheduler, settings.keep_versions, settings.grace_period_s)
-        if settings.poll_s:
-            scheduler.spawn(app.state.control.poll(settings.poll_s))
-        if not MULTIPROCESS:  # read at scrape time; in multiprocess mode the endpoints count it themselves
-            app.state.metrics.in_flight.set_function(lambda: app.state.dataplane.in_flight)
-        scheduler.spawn(_trim_memory_when_idle(app.state.dataplane))
-        app.state.attend.dataplane = app.state.infer.dataplane = app.state.dataplane
-        app.state.serving = True  # stays on while draining: what reaches a handler then was sent before
-        app.state.ready = True
-        app.state.metrics.ready.set(1)
-        log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
-        try:
-            yield
-        finally:
-            app.state.ready = app.state.serving = False
-            app.state.metrics.ready.set(0)
-            await scheduler.stop()
-            app.state.attend.dataplane = app.state.infer.dataplane = None
-            app.state.dataplane.close()
-            app.state.metrics.worker_exit()
-            flush_logs()
-
-    return lifespan
+@asynccontextmanager
+async def _lifespan(app: AttendApp) -> AsyncIterator[None]:
+    """The core opened (models loaded, unless given, and warmed up; the batching started) before the
+    app takes requests, and closed after."""
+    dataplane = app.state.dataplane
+    await dataplane.open()
+    try:
+        yield
+    finally:
+        await dataplane.close()
+        flush_logs()
 
 
 def _offline_docs(app: FastAPI) -> None:
@@ -127,7 +94,7 @@ def _offline_docs(app: FastAPI) -> None:
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> AttendApp:
-    """The app; it loads the repository in its lifespan, or serves `registry` if given."""
+    """The app; its lifespan loads the repository, or it serves `registry` if given (loaded already)."""
     settings = settings or get_settings()
     app = AttendApp(
         title="attend",
@@ -135,13 +102,13 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         description="The attention mechanisms of Dive into Deep Learning (masked softmax, additive, scaled "
         "dot-product, multi-head and self-attention with sinusoidal positional encoding), served through "
         "ONNX Runtime.",
-        lifespan=_lifespan(settings, registry),
+        lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
     )
+    # What the routes read: the core (readiness, the registry, model control, metrics) and the keys.
     app.state.settings = settings
-    app.state.metrics = Metrics()
-    app.state.ready = app.state.serving = False
+    dataplane = app.state.dataplane = Dataplane(settings, Metrics(), registry)
     app.state.api_keys = settings.api_key_list()
     app.state.admin_keys = settings.admin_key_list()
     install_error_handlers(app)
@@ -149,8 +116,11 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
     # The inference routes: endpoints ahead of FastAPI (their own request ID, access log and CORS
     # headers); the route of attend.router only documents /attend. RequestContext skips them.
-    app.state.attend = InferenceEndpoint(app.state, AttendCodec())
-    app.state.infer = InferenceEndpoint(app.state, InferCodec(settings.max_body_bytes), parse_path)
+    origins = tuple(settings.cors_origin_list())
+    app.state.attend = InferenceEndpoint(dataplane, AttendCodec(), max_body_bytes=settings.max_body_bytes,
+                                         cors_origins=origins)
+    app.state.infer = InferenceEndpoint(dataplane, InferCodec(settings.max_body_bytes), parse_path,
+                                        settings.max_body_bytes, origins)
     app.inference = {"attend": app.state.attend, "v2": app.state.infer}
     app.include_router(attend.router)
     # Without keys there is nothing to check: no dependency at all on the request path.

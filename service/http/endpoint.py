@@ -11,7 +11,6 @@ run; `service.http.app.AttendApp` calls them before FastAPI's stack, with CORS o
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -20,37 +19,14 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.core.batching import Encoder
-from service.core.dataplane import check_api_key
-from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, ServiceError
+from service.core.dataplane import Dataplane
+from service.core.errors import ServiceError
 from service.core.logs import log_access, new_request_id, request_id
-from service.core.metrics import MULTIPROCESS
 from service.core.request import Request
 from service.http.extensions import Headers, disconnect_probe, read_body, send_body
 from service.protocols.codec import Codec, Target
 
 log = logging.getLogger("service")
-
-
-def deadline(headers: dict[bytes, bytes], default_s: float, arrived: float | None = None) -> float:
-    """When the request must be answered: `default_s` (or the client's shorter X-Request-Timeout-Ms)
-    after it arrived (time.monotonic(); now, where the server does not say)."""
-    timeout = default_s
-    header = headers.get(b"x-request-timeout-ms")
-    if header is not None:
-        try:
-            ms = float(header)
-        except ValueError:
-            ms = float("nan")
-        if not 0 < ms < float("inf"):  # 0, negative, inf and nan are client mistakes, not deadlines passed
-            raise InvalidHeader("X-Request-Timeout-Ms must be a positive number of milliseconds",
-                                field="X-Request-Timeout-Ms", received=header.decode("latin-1")[:100])
-        timeout = min(timeout, ms / 1000)
-    return (arrived if arrived is not None else time.monotonic()) + timeout
-
-
-def _deadline_passed(task: asyncio.Task, passed: list[bool]) -> None:
-    passed.append(True)
-    task.cancel()
 
 
 _NO_TARGET: Target = (None, None)
@@ -75,16 +51,14 @@ class InferenceEndpoint:
     request is bound here, not looked up on the app's state (a Starlette State attribute costs a
     Python-level __getattr__ each)."""
 
-    def __init__(self, state: Any, codec: Codec, target_of: Any = _attend_target):
-        self.state = state  # readiness (`serving`) lives there: the lifespan and the server change it
-        self.settings = state.settings
-        self.metrics = state.metrics
-        self.api_keys: tuple[bytes, ...] = state.api_keys
-        self.dataplane: Any = None  # bound by the lifespan, once the models are loaded
+    def __init__(self, dataplane: Dataplane, codec: Codec, target_of: Any = _attend_target, max_body_bytes: int = 0,
+                 cors_origins: tuple[str, ...] = ()):
+        self.dataplane = dataplane
+        self.max_body_bytes = max_body_bytes
         self.codec = codec
         self.target_of = target_of  # the route's (model, version) from the path
         self.error_body = codec.error_body
-        origins = state.settings.cors_origin_list()
+        origins = cors_origins
         self.cors_all = "*" in origins
         self.cors = frozenset(o.encode("latin-1") for o in origins)
 
@@ -130,82 +104,48 @@ class InferenceEndpoint:
 
     async def _read_and_decode(self, scope: Scope, target: Target, headers: dict[bytes, bytes], receive: Receive,
                                until: float) -> tuple[Request, Encoder]:
-        """The body, read and decoded, within the request's deadline: on a loaded server the body of
-        a large request can take seconds to come in, and its decode waits for a thread (past the
-        deadline: 504, and the decode is never started)."""
-        loop = self.dataplane.scheduler.loop  # cached: on Python 3.11 each lookup is a getpid() system call
-        task = asyncio.current_task(loop)
-        assert task is not None
-        passed: list[bool] = []  # [True] once the deadline's timer has cancelled the task
-        timer = loop.call_later(max(until - time.monotonic(), 0), _deadline_passed, task, passed)
-        try:
+        """The body, read and decoded, within the request's deadline."""
+        dataplane = self.dataplane
+        async with dataplane.within(until):
             aligned_at = self.codec.aligned_at(headers)
             claim = None if aligned_at is None else (scope.get("extensions") or {}).get("attend.body")
-            body = await read_body(receive, headers, self.settings.max_body_bytes, claim, aligned_at or 0)
-            dataplane = self.dataplane
-            request = await dataplane.decode_async(functools.partial(self.codec.decode, dataplane, target, headers),
-                                                   body, until)
-            del body  # decoded: the arrays are what the request holds from here (memory in flight)
-            return request
-        except asyncio.CancelledError:
-            # Not the clock: the loop's timers run up to a millisecond early (libuv's clock counts
-            # milliseconds), and a deadline taken for a stop was a 500.
-            if not passed:
-                raise  # not ours: the server is stopping
-            task.uncancel()
-            raise DeadlineExceeded("the request's deadline passed before its body was read and decoded") from None
-        finally:
-            timer.cancel()
+            body = await read_body(receive, headers, self.max_body_bytes, claim, aligned_at or 0)
+            return await dataplane.decode_async(functools.partial(self.codec.decode, dataplane, target, headers),
+                                                body, until)
 
     async def _serve(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send,
                      extra: Headers, start: float) -> int:
         """The response's status, once sent (0: the client went away, nothing was sent)."""
-        metrics = self.metrics
         dataplane = self.dataplane
         extensions = scope.get("extensions") or {}
         hold = extensions.get("attend.hold")
         respond = extensions.get("attend.respond")
-        # Not `ready`: that turns off at SIGTERM, while requests sent before it still get served
-        # (uvicorn closes the listener and kept-alive connections, so nothing newer reaches here).
-        if dataplane is None or not self.state.serving:
-            metrics.model("-").status(503).inc()
-            return await self.send_error(send, NotReady("the service is not ready", headers={"Retry-After": "1"}),
-                                         extra, hold, respond)
+        try:
+            dataplane.admit(headers.get(b"authorization"))
+        except ServiceError as e:
+            dataplane.failed("-", e)
+            return await self.send_error(send, e, extra, hold, respond)
         model = "-"
-        dataplane.in_flight += 1
-        dataplane.served_since_trim += 1
-        if MULTIPROCESS:
-            metrics.in_flight.inc()
         try:
             target = self.target_of(scope["path"])
             model = self.model_of(target)
-            if self.api_keys:
-                check_api_key(headers.get(b"authorization"), self.api_keys)
             self.codec.check_media_type(headers)
-            settings = self.settings
-            until = deadline(headers, settings.request_timeout_s, extensions.get("attend.arrived"))
+            until = dataplane.deadline(headers.get(b"x-request-timeout-ms"), extensions.get("attend.arrived"))
             request, encode = await self._read_and_decode(scope, target, headers, receive, until)
             model = request.model.name
             content = await dataplane.infer(request, until, encode, disconnect_probe(extensions, receive))
         except ServiceError as e:
-            metrics.model(e.model or model).status(e.status).inc()
-            if isinstance(e, ClientGone):  # not a server error: counted (499, as nginx does), nothing sent
-                metrics.client_gone.labels(e.model or model).inc()
+            if not dataplane.failed(e.model or model, e):
                 return 0
             return await self.send_error(send, e, extra, hold, respond)
         except Exception:
             log.exception("unhandled error on POST %s", scope["path"][:200])
-            metrics.model(model).status(500).inc()
-            return await self.send_error(send, ServiceError("internal server error"), extra, hold, respond)
+            error = ServiceError("internal server error")
+            dataplane.failed(model, error)
+            return await self.send_error(send, error, extra, hold, respond)
         finally:
-            dataplane.in_flight -= 1
-            if MULTIPROCESS:
-                metrics.in_flight.dec()
-        children = metrics.model(model)
-        children.status(200).inc()
-        if MULTIPROCESS:
-            metrics.worker_served.inc()
-        children.latency.observe(time.perf_counter() - start)
+            dataplane.release()
+        dataplane.answered(model, 200, time.perf_counter() - start)
         body, more, content_type = self.codec.response(content)
         await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
         return 200

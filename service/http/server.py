@@ -46,11 +46,9 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            state = self.app.state
             # The requests in progress (uvicorn's own set) and the connections with a client busy
             # sending requests: the batching reads how many.
-            state.dataplane.server_tasks = self.server_state.tasks
-            state.scheduler.busy_clients = guard().busy
+            self.app.state.dataplane.set_load_hint(self.server_state.tasks, guard().busy)
             # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
             # its default action would end the process).
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
@@ -104,17 +102,13 @@ class GracefulServer(uvicorn.Server):
                                                app_state=self.lifespan.state)
 
     def _reload(self) -> None:
-        state = self.app.state
-        if state.ready:
-            log.info("SIGHUP: loading the models whose newest version changed")
-            state.scheduler.spawn(state.control.reload_changed())
+        self.app.state.dataplane.reload_changed()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        app = self.app
-        if app is not None and getattr(app.state, "ready", False):
-            log.info("signal %d: not ready; finishing %d requests in flight", sig, app.state.dataplane.in_flight)
-            app.state.ready = False
-            app.state.metrics.ready.set(0)
+        dataplane = getattr(getattr(self.app, "state", None), "dataplane", None)
+        if dataplane is not None and dataplane.ready:
+            log.info("signal %d: not ready; finishing %d requests in flight", sig, dataplane.in_flight)
+            dataplane.stop_accepting()
         super().handle_exit(sig, frame)
 
 

@@ -189,16 +189,30 @@ def _job(reference, body=None, timeout=5.0, disconnected=None):
     return Job(reference.decode(body), time.monotonic() + timeout, encode_attend, disconnected)
 
 
+class Held:
+    """Every batcher of a scheduler busy, as while it runs a batch: requests wait in their queues
+    until `resume()`."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.batchers = list(scheduler.batchers.values())
+        for batcher in self.batchers:
+            batcher.stepping = True
+
+    def resume(self) -> None:
+        for batcher in self.batchers:
+            batcher.stepping = False
+            batcher.wake()
+
+
 @contextlib.asynccontextmanager
 async def busy(registry, **limits):
-    """A started, paused scheduler: requests wait in its queue until the test calls
-    `scheduler.resume()`."""
+    """A started scheduler whose batchers are held: requests wait in its queue until the test calls
+    `hold.resume()`."""
     metrics = Metrics()
     scheduler = Scheduler([registry.get(n) for n in registry.names()], BatchLimits(**limits), 1, metrics)
     scheduler.start()
-    scheduler.pause()
     try:
-        yield scheduler, metrics
+        yield scheduler, metrics, Held(scheduler)
     finally:
         await scheduler.stop()
 
@@ -209,14 +223,14 @@ def runs(metrics, model):
 
 @pytest.mark.anyio
 async def test_full_queue_refuses_at_once_with_retry_after(registry, reference):
-    async with busy(registry, max_queue=2) as (scheduler, _):
+    async with busy(registry, max_queue=2) as (scheduler, _, hold):
         waiting = [asyncio.create_task(scheduler.submit(_job(reference))) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert waiting[2].done()
         with pytest.raises(Overloaded) as refused:
             waiting[2].result()
         assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
-        scheduler.resume()
+        hold.resume()
         results = await asyncio.gather(*waiting[:2])
         assert all(orjson.loads(r)["outputs"][0] == [[2.0, 3.0, 4.0, 5.0]] for r in results)
         assert scheduler.queued == 0
@@ -224,14 +238,14 @@ async def test_full_queue_refuses_at_once_with_retry_after(registry, reference):
 
 @pytest.mark.anyio
 async def test_deadline_passing_in_the_queue_is_504_and_the_job_is_dropped(registry, reference):
-    async with busy(registry) as (scheduler, metrics):
+    async with busy(registry) as (scheduler, metrics, hold):
         start = time.monotonic()
         late = asyncio.create_task(scheduler.submit(_job(reference, timeout=0.05)))
         patient = asyncio.create_task(scheduler.submit(_job(reference, timeout=5)))
         with pytest.raises(DeadlineExceeded):
             await late
         assert time.monotonic() - start < 1.0  # answered at its deadline, not when a slot frees
-        scheduler.resume()
+        hold.resume()
         assert orjson.loads(await patient)["model"] == "additive"
         assert metrics.batch_requests.labels("additive")._sum.get() == 1  # only the patient one ran
 
@@ -241,10 +255,10 @@ async def test_gone_client_is_dropped_before_its_batch_runs(registry, reference)
     async def gone():
         return True
 
-    async with busy(registry) as (scheduler, metrics):
+    async with busy(registry) as (scheduler, metrics, hold):
         task = asyncio.create_task(scheduler.submit(_job(reference, disconnected=gone)))
         await asyncio.sleep(0.01)
-        scheduler.resume()
+        hold.resume()
         with pytest.raises(ClientGone):
             await task
         assert metrics.batch_requests.labels("additive")._sum.get() == 0
@@ -260,10 +274,10 @@ async def test_gone_client_is_dropped_before_its_batch_runs(registry, reference)
 async def test_batches_respect_row_and_element_limits(registry, reference, limits, expected_runs):
     rng = np.random.default_rng(0)
     bodies = [make_body("dot_product", rng, 2, 3, 3, "absent") for _ in range(5)]
-    async with busy(registry, **limits) as (scheduler, metrics):
+    async with busy(registry, **limits) as (scheduler, metrics, hold):
         tasks = [asyncio.create_task(scheduler.submit(_job(reference, b))) for b in bodies]
         await asyncio.sleep(0.01)
-        scheduler.resume()
+        hold.resume()
         results = await asyncio.gather(*tasks)
         for body, result in zip(bodies, results, strict=True):
             assert_same(result, reference.attend(body))
@@ -381,10 +395,10 @@ async def test_a_batch_waits_at_most_five_times_max_wait(registry, reference):
 
 @pytest.mark.anyio
 async def test_batching_off_runs_one_request_at_a_time(registry, reference):
-    async with busy(registry, enabled=False) as (scheduler, metrics):
+    async with busy(registry, enabled=False) as (scheduler, metrics, hold):
         tasks = [asyncio.create_task(scheduler.submit(_job(reference))) for _ in range(4)]
         await asyncio.sleep(0.01)
-        scheduler.resume()
+        hold.resume()
         await asyncio.gather(*tasks)
         assert runs(metrics, "additive") == 4
 
@@ -476,42 +490,51 @@ async def _started(settings):
 
 
 def _status_count(app, model, status):
-    return app.state.metrics.requests.labels(model, str(status))._value.get()
+    return app.state.dataplane.metrics.requests.labels(model, str(status))._value.get()
+
+
+@contextlib.contextmanager
+def _busy(app, model):
+    """The model's batcher busy, as while it runs a batch: requests wait in its queue until after."""
+    batcher = app.state.dataplane.scheduler.batcher_for(app.state.dataplane.registry.get(model))
+    batcher.stepping = True
+    try:
+        yield
+    finally:
+        batcher.stepping = False
+        batcher.wake()
 
 
 @pytest.mark.anyio
 async def test_a_client_gone_while_queued_is_dropped_and_counted_499(settings, caplog):
     async with _started(settings) as app:
-        app.state.scheduler.pause()
-
         async def disconnect():
             return {"type": "http.disconnect"}
 
         body = json.dumps(toy_request()).encode()
-        task = asyncio.create_task(_asgi(app, body, disconnect))
-        await asyncio.sleep(0.05)  # queued, and older than the 2 ms after which clients are asked
-        app.state.scheduler.resume()
+        with _busy(app, "additive"):
+            task = asyncio.create_task(_asgi(app, body, disconnect))
+            await asyncio.sleep(0.05)  # queued, and older than the 2 ms after which clients are asked
         sent = await task
         assert sent == []  # nobody to answer
         assert _status_count(app, "additive", 499) == 1
-        assert app.state.metrics.batch_requests.labels("additive")._sum.get() == 0  # never ran
+        assert app.state.dataplane.metrics.batch_requests.labels("additive")._sum.get() == 0  # never ran
     assert "Traceback" not in caplog.text and "unhandled" not in caplog.text
 
 
 @pytest.mark.anyio
 async def test_a_deadline_passing_in_the_queue_is_504_at_the_deadline(settings):
     async with _started(settings) as app:
-        app.state.scheduler.pause()
         body = json.dumps(toy_request()).encode()
         start = time.monotonic()
-        sent = await _asgi(app, body, headers=[(b"x-request-timeout-ms", b"100")])
+        with _busy(app, "additive"):
+            sent = await _asgi(app, body, headers=[(b"x-request-timeout-ms", b"100")])
         waited = time.monotonic() - start
         assert sent[0]["status"] == 504 and 0.09 < waited < 1.0
         assert json.loads(sent[1]["body"])["error"]["code"] == "deadline_exceeded"
-        app.state.scheduler.resume()
         sent = await _asgi(app, body)
         assert sent[0]["status"] == 200
-        assert app.state.metrics.batch_requests.labels("additive")._sum.get() == 1  # the late one never ran
+        assert app.state.dataplane.metrics.batch_requests.labels("additive")._sum.get() == 1  # the late one never ran
 
 
 @pytest.mark.anyio

@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.core.dataplane import check_ready
 from service.http.schemas import error_responses
 
 router = APIRouter()
@@ -21,12 +20,12 @@ async def live() -> dict[str, str]:
 @router.get("/health/ready", responses=error_responses(503),
             summary="Every model is loaded and warmed up (503 until then, while one is missing, and while stopping)")
 async def ready(request: Request) -> dict[str, object]:
-    state = request.app.state
-    check_ready(state)
-    return {"status": "ready", "models": state.registry.names()}
+    dataplane = request.app.state.dataplane
+    dataplane.check_ready()
+    return {"status": "ready", "models": dataplane.registry.names()}
 
 
 @metrics_router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401),
                     summary="Prometheus metrics (text format)")
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.dataplane.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

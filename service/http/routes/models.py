@@ -15,7 +15,7 @@ router = APIRouter()
 @router.get("/models", responses=error_responses(401, 422),
             summary="Every model: kind, hyperparameters, feature sizes, axes, provider, version")
 async def list_models(request: Request) -> dict[str, Any]:
-    registry = request.app.state.registry
+    registry = request.app.state.dataplane.registry
     return {"models": [_describe(registry, name) for name in _all_names(registry)]}
 
 
@@ -40,7 +40,7 @@ def _describe(registry: Any, name: str) -> dict[str, Any]:
 
 @router.get("/models/{name}", responses=error_responses(401, 404, 422), summary="One model")
 async def get_model(request: Request, name: str) -> dict[str, Any]:
-    registry = request.app.state.registry
+    registry = request.app.state.dataplane.registry
     if name not in _all_names(registry):
         raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field="name")
     return _describe(registry, name)

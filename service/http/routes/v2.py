@@ -20,7 +20,6 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.core.dataplane import check_ready
 from service.core.errors import ServiceError
 from service.core.request import _model
 from service.http.schemas import protocol_errors
@@ -56,7 +55,7 @@ async def live() -> Response:
 
 @health_router.get("/health/ready", summary="Every model is loaded and warmed up", responses=protocol_errors(503))
 async def ready(request: Request) -> Response:
-    check_ready(request.app.state)
+    request.app.state.dataplane.check_ready()
     return _json({"ready": True})
 
 
@@ -64,7 +63,7 @@ async def ready(request: Request) -> Response:
 @router.get("/models/{name}/versions/{version}", summary="Model metadata of one version",
             responses=protocol_errors(401, 404, 422, 503))
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    return _json(metadata(_model(request.app.state.registry, name, version)))
+    return _json(metadata(_model(request.app.state.dataplane.registry, name, version)))
 
 
 @router.get("/models/{name}/ready", summary="The model is ready (200) or not (400)",
@@ -73,10 +72,10 @@ async def model_metadata(request: Request, name: str, version: str | None = None
             responses=protocol_errors(400, 401, 422))
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     try:
-        _model(request.app.state.registry, name, version)
+        _model(request.app.state.dataplane.registry, name, version)
     except ServiceError as e:
         raise BadRequest(e.message) from None
-    if not request.app.state.ready:
+    if not request.app.state.dataplane.ready:
         raise BadRequest(f"model {name} is not ready: the service is not ready")
     return _json({"name": name, "ready": True})
 
@@ -87,7 +86,7 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
             responses=protocol_errors(401, 404, 422, 503))
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
     settings = request.app.state.settings
-    return _json(config(_model(request.app.state.registry, name, version), settings.max_batch))
+    return _json(config(_model(request.app.state.dataplane.registry, name, version), settings.max_batch))
 
 
 repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol: model repository"])
@@ -96,7 +95,7 @@ repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Pro
 @repository_router.post("/index", responses=protocol_errors(400, 401, 404, 422),
              summary="Every model of the repository folder, each version with its state")
 async def index(request: Request) -> Response:
-    rows = request.app.state.registry.index()
+    rows = request.app.state.dataplane.registry.index()
     raw = await request.body()
     if raw.strip():
         try:
@@ -111,12 +110,12 @@ async def index(request: Request) -> Response:
 @repository_router.post("/models/{name}/load", responses=protocol_errors(400, 401, 404, 422),
              summary="Load the model's newest version (checked and warmed up), then serve it")
 async def load(request: Request, name: str) -> Response:
-    await request.app.state.control.load(name)
+    await request.app.state.dataplane.control.load(name)
     return _json({})
 
 
 @repository_router.post("/models/{name}/unload", responses=protocol_errors(400, 401, 404, 422),
              summary="Stop serving the model once what its queue holds has finished")
 async def unload(request: Request, name: str) -> Response:
-    await request.app.state.control.unload(name)
+    await request.app.state.dataplane.control.unload(name)
     return _json({})
