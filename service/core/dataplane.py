@@ -72,7 +72,8 @@ def _retrieved(future: asyncio.Future) -> None:
 
 class _Within:
     """`Dataplane.within`: cancels the task at `until`, and turns that cancellation (not another's)
-    into DeadlineExceeded."""
+    into DeadlineExceeded. (The timer can fire only while the task waits at an await in the block,
+    so the cancellation is always delivered there, inside it.)"""
 
     __slots__ = ("task", "timer", "passed", "what")
 
@@ -86,24 +87,16 @@ class _Within:
         self.passed = True
         self.task.cancel()  # type: ignore[union-attr]
 
-    async def __aenter__(self) -> None:
+    def __enter__(self) -> None:
         return None
 
-    async def __aexit__(self, kind: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         self.timer.cancel()
-        if not self.passed:
-            return  # done in time; or cancelled by another (the server stopping): theirs to handle
-        self.task.uncancel()  # type: ignore[union-attr]
-        if kind is not asyncio.CancelledError:
-            # The timer fired as the block ended, or failed on its own: the cancellation is still
-            # pending, and would hit the next await of the task (its answer). Taken here.
-            try:
-                await asyncio.sleep(0)
-            except asyncio.CancelledError:
-                pass
-            if kind is not None:
-                return  # the block's own error
-        raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
+        # Not the clock: the loop's timers run up to a millisecond early (libuv's clock counts
+        # milliseconds). Another's cancellation (the server stopping) is theirs to handle.
+        if self.passed and kind is asyncio.CancelledError:
+            self.task.uncancel()  # type: ignore[union-attr]
+            raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
 
 
 class Dataplane:
@@ -236,22 +229,22 @@ class Dataplane:
         return (arrived if arrived is not None else time.monotonic()) + timeout
 
     def within(self, until: float, what: str = "its body was read and decoded") -> _Within:
-        """`async with dataplane.within(until):` the block is cancelled at `until` and raises
+        """`with dataplane.within(until):` the block is cancelled at `until` and raises
         DeadlineExceeded: on a loaded server the body of a large request can take seconds to come in,
         and its decode waits for a thread (past the deadline: 504, and the decode is never started)."""
         return _Within(self.loop, until, what)
 
-    async def decode_async(self, decode: Callable[[bytes], T], body: bytes, deadline: float) -> T:
-        """`decode(body)` (a codec's), on the event loop for small bodies (a thread hop costs more than
-        their parse), in a decode thread for large ones, never started once the deadline has passed.
-        The caller bounds the wait (`within`)."""
-        if len(body) <= self.inline_decode_bytes:
-            return decode(body)
+    async def decode_async(self, deadline: float, decode: Callable[..., T], *args: Any) -> T:
+        """`decode(*args)` (a codec's; its last argument the body), on the event loop for small bodies
+        (a thread hop costs more than their parse), in a decode thread for large ones, never started
+        once the deadline has passed. The caller bounds the wait (`within`)."""
+        if len(args[-1]) <= self.inline_decode_bytes:
+            return decode(*args)
 
         def decode_unless_late() -> T:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
-            return decode(body)
+            return decode(*args)
 
         future = self.loop.run_in_executor(self._decoder, decode_unless_late)
         # However this ends, nobody may be left to read the decode's result: say it is read.

@@ -11,7 +11,6 @@ run; `service.http.app.AttendApp` calls them before FastAPI's stack, with CORS o
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
@@ -57,6 +56,11 @@ class InferenceEndpoint:
         self.max_body_bytes = max_body_bytes
         self.codec = codec
         self.target_of = target_of  # the route's (model, version) from the path
+        # The codec's methods, bound once: each is called on every request.
+        self.check_media_type = codec.check_media_type
+        self.aligned_at = codec.aligned_at
+        self.decode = codec.decode
+        self.response = codec.response
         self.error_body = codec.error_body
         origins = cors_origins
         self.cors_all = "*" in origins
@@ -106,12 +110,11 @@ class InferenceEndpoint:
                                until: float) -> tuple[Request, Encoder]:
         """The body, read and decoded, within the request's deadline."""
         dataplane = self.dataplane
-        async with dataplane.within(until):
-            aligned_at = self.codec.aligned_at(headers)
+        with dataplane.within(until):
+            aligned_at = self.aligned_at(headers)
             claim = None if aligned_at is None else (scope.get("extensions") or {}).get("attend.body")
             body = await read_body(receive, headers, self.max_body_bytes, claim, aligned_at or 0)
-            return await dataplane.decode_async(functools.partial(self.codec.decode, dataplane, target, headers),
-                                                body, until)
+            return await dataplane.decode_async(until, self.decode, dataplane, target, headers, body)
 
     async def _serve(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send,
                      extra: Headers, start: float) -> int:
@@ -129,7 +132,7 @@ class InferenceEndpoint:
         try:
             target = self.target_of(scope["path"])
             model = self.model_of(target)
-            self.codec.check_media_type(headers)
+            self.check_media_type(headers)
             until = dataplane.deadline(headers.get(b"x-request-timeout-ms"), extensions.get("attend.arrived"))
             request, encode = await self._read_and_decode(scope, target, headers, receive, until)
             model = request.model.name
@@ -146,7 +149,7 @@ class InferenceEndpoint:
         finally:
             dataplane.release()
         dataplane.answered(model, 200, time.perf_counter() - start)
-        body, more, content_type = self.codec.response(content)
+        body, more, content_type = self.response(content)
         await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
         return 200
 

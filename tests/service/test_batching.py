@@ -543,11 +543,11 @@ async def test_a_deadline_passing_while_the_decode_thread_is_busy_is_504_and_nev
     thread comes free the decode is not started."""
     small = settings.model_copy(update={"inline_decode_bytes": 100, "inference_threads": 1})
     async with _started(small) as app:
-        codec = app.state.attend.codec
+        endpoint = app.state.attend
         decoded = []
-        original = codec.decode
-        codec.decode = lambda core, target, headers, body: decoded.append(len(body)) or original(core, target,
-                                                                                                  headers, body)
+        original = endpoint.decode
+        endpoint.decode = lambda core, target, headers, body: decoded.append(len(body)) or original(core, target,
+                                                                                                    headers, body)
         release = threading.Event()
         app.state.dataplane._decoder.submit(release.wait)  # the one decode thread, busy
         body = json.dumps(toy_request()).encode()
