@@ -182,16 +182,25 @@ def _checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: Re
     return feed, (batch, n_q, n_k)
 
 
-def _model(registry: Registry, name: str, version: str | None = None) -> LoadedModel:
-    """The served version of the model, or the one asked for where it is loaded."""
+def find_model(registry: Registry, name: str, version: int | str | None = None, field: str | None = None,
+               version_field: str | None = None) -> LoadedModel:
+    """The served version of the model, or the one asked for where it is loaded: the one lookup of every
+    protocol and route. `field`, `version_field`: the names an error gives (a body's fields; a path
+    names none)."""
     model = registry.get(name)
     if model is None and name in registry.broken:
-        raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}")
+        raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}", field=field)
     if model is None:
-        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}")
+        raise unknown_model(registry, name, field)
     if version is not None:
-        model = registry.get(name, int(version)) if version.isdigit() else None
+        number = version if version.__class__ is int else int(version) if str(version).isdigit() else None
+        model = registry.get(name, number) if number is not None else None
         if model is None:
             loaded = ", ".join(map(str, registry.loaded_versions(name)))
-            raise ModelNotFound(f"version {excerpt(version)} of model {name} is not loaded; loaded: {loaded}")
+            raise ModelNotFound(f"version {excerpt(str(version))} of model {excerpt(name)} is not loaded; loaded: "
+                                f"{loaded}", field=version_field)
     return model
+
+
+def unknown_model(registry: Registry, name: str, field: str | None = None) -> ModelNotFound:
+    return ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field=field)

@@ -36,14 +36,20 @@ from service.core.errors import (
     InvalidJSON,
     InvalidRequest,
     InvalidShape,
-    ModelNotFound,
-    ModelUnavailable,
     ServiceError,
     UnsupportedMediaType,
     excerpt,
     json_type,
 )
-from service.core.request import Request, RequestLimits, _check_valid_lens, _checked_feed, _pattern, build_request
+from service.core.request import (
+    Request,
+    RequestLimits,
+    _check_valid_lens,
+    _checked_feed,
+    _pattern,
+    build_request,
+    find_model,
+)
 from service.core.runtime import LoadedModel, Registry
 from service.protocols.codec import JSON, Headers, Target, media_type
 
@@ -360,21 +366,9 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
     if not isinstance(name, str):
         raise InvalidRequest(f"model must be a string (a name of GET /models), got {json_type(name)}", field="model")
     version = data.get("version")
-    if version is not None:
-        if version.__class__ is not int or version < 1:
-            raise InvalidRequest(f"version must be a positive integer, got {json_type(version)}", field="version")
-        model = registry.get(name, version)
-        if model is None and registry.get(name) is not None:
-            loaded = ", ".join(map(str, registry.loaded_versions(name)))
-            raise ModelNotFound(f"version {version} of model {excerpt(name)} is not loaded; loaded: {loaded}",
-                                field="version")
-    else:
-        model = registry.get(name)
-    if model is None and name in registry.broken:
-        raise ModelUnavailable(f"model {excerpt(name)} could not be loaded; see GET /models/{name}", field="model")
-    if model is None:
-        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field="model")
-    return model
+    if version is not None and (version.__class__ is not int or version < 1):
+        raise InvalidRequest(f"version must be a positive integer, got {json_type(version)}", field="version")
+    return find_model(registry, name, version, "model", "version")
 
 
 def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEFAULT_LIMITS,

@@ -31,7 +31,7 @@ from service.core.errors import (
     excerpt,
     json_type,
 )
-from service.core.request import Request, RequestLimits, _model, build_request
+from service.core.request import Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
 from service.protocols.codec import JSON, Headers, Target, media_type
 
@@ -286,7 +286,7 @@ class InferCodec:
 
     def decode(self, core: Any, target: Target, headers: Headers, body: bytes | memoryview
                ) -> tuple[Request, Encoder]:
-        model = _model(core.registry, *target)
+        model = find_model(core.registry, *target)
         try:
             return self.decode_for(model, headers, body, core.limits)
         except ServiceError as e:

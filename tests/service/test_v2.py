@@ -319,7 +319,7 @@ def test_gzip_bomb_is_bounded(repository):
 def test_errors_and_routes_of_the_protocol(http):
     assert http.post("/v2/models/nope/infer", content=b"{}").status_code == 404
     assert http.post("/v2/models/additive/versions/9/infer", content=b"{}").json() == \
-        {"error": "version '9' of model additive is not loaded; loaded: 1"}
+        {"error": "version '9' of model 'additive' is not loaded; loaded: 1"}
     assert http.get("/v2/models/nope").status_code == 404 and set(http.get("/v2/models/nope").json()) == {"error"}
     assert http.get("/v2/nowhere").json() == {"error": "Not Found"}
     deflated = zlib.compress(json.dumps({"inputs": [

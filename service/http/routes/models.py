@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.core.errors import ModelNotFound, excerpt
+from service.core.request import unknown_model
 from service.http.schemas import error_responses
 
 router = APIRouter()
@@ -42,5 +42,5 @@ def _describe(registry: Any, name: str) -> dict[str, Any]:
 async def get_model(request: Request, name: str) -> dict[str, Any]:
     registry = request.app.state.dataplane.registry
     if name not in _all_names(registry):
-        raise ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field="name")
+        raise unknown_model(registry, name, "name")
     return _describe(registry, name)

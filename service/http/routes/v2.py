@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.core.errors import ServiceError
-from service.core.request import _model
+from service.core.request import find_model
 from service.http.schemas import protocol_errors
 from service.protocols.v2 import (
     BadRequest,
@@ -63,7 +63,7 @@ async def ready(request: Request) -> Response:
 @router.get("/models/{name}/versions/{version}", summary="Model metadata of one version",
             responses=protocol_errors(401, 404, 422, 503))
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    return _json(metadata(_model(request.app.state.dataplane.registry, name, version)))
+    return _json(metadata(find_model(request.app.state.dataplane.registry, name, version)))
 
 
 @router.get("/models/{name}/ready", summary="The model is ready (200) or not (400)",
@@ -72,7 +72,7 @@ async def model_metadata(request: Request, name: str, version: str | None = None
             responses=protocol_errors(400, 401, 422))
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     try:
-        _model(request.app.state.dataplane.registry, name, version)
+        find_model(request.app.state.dataplane.registry, name, version)
     except ServiceError as e:
         raise BadRequest(e.message) from None
     if not request.app.state.dataplane.ready:
@@ -86,7 +86,7 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
             responses=protocol_errors(401, 404, 422, 503))
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
     settings = request.app.state.settings
-    return _json(config(_model(request.app.state.dataplane.registry, name, version), settings.max_batch))
+    return _json(config(find_model(request.app.state.dataplane.registry, name, version), settings.max_batch))
 
 
 repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol: model repository"])
