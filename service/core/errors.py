@@ -85,6 +85,16 @@ class Overloaded(ServiceError):
     status, code = 503, "overloaded"
 
 
+class RequestTimeout(ServiceError):
+    """The request's headers or body came too slowly (the connection is closed after the answer)."""
+
+    status, code = 408, "request_timeout"
+
+
+class HeadersTooLarge(ServiceError):
+    status, code = 431, "headers_too_large"
+
+
 class DeadlineExceeded(ServiceError):
     status, code = 504, "deadline_exceeded"
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import fastapi_offline
-import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -26,7 +25,7 @@ from service.core.logs import configure_logging, flush_logs
 from service.core.memory import release_memory_eagerly
 from service.core.metrics import Metrics
 from service.core.runtime import Registry
-from service.http.endpoint import InferenceEndpoint, RequestContext, inference_route
+from service.http.endpoint import InferenceEndpoint, RequestContext, error_body, inference_route
 from service.http.routes import attend, health, models, page, v2
 from service.protocols.attend import AttendCodec
 from service.protocols.v2 import InferCodec, parse_path
@@ -148,8 +147,10 @@ def create_app_from_env() -> FastAPI:
     return create_app(settings)
 
 
-def error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+def error_response(request: Request, error: ServiceError) -> Response:
+    """The error in the body of the request's protocol (service.http.endpoint.error_body)."""
+    return Response(error_body(request.url.path, error), status_code=error.status, media_type="application/json",
+                    headers=error.headers)
 
 
 def _field_of(loc: tuple[Any, ...]) -> str:
@@ -157,34 +158,28 @@ def _field_of(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or str(loc[-1] if loc else "")
 
 
-def _body(request: Request, error: ServiceError) -> dict[str, Any]:
-    """The one error body, but under /v2 the Open Inference Protocol's: {"error": "<message>"}."""
-    return {"error": error.message} if request.url.path.startswith("/v2") else error.body()
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
-        return error_response(exc.status, _body(request, exc), exc.headers)
+        return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        err = InvalidRequest(first["msg"], field=_field_of(tuple(first["loc"])))
-        return error_response(err.status, _body(request, err))
+        return error_response(request, InvalidRequest(first["msg"], field=_field_of(tuple(first["loc"]))))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        error = ServiceError(str(exc.detail))
+        error = ServiceError(str(exc.detail), headers=getattr(exc, "headers", None))
         error.status, error.code = exc.status_code, code
-        return error_response(exc.status_code, _body(request, error), getattr(exc, "headers", None))
+        return error_response(request, error)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         # Logged with its traceback here; the client gets a plain 500, never the traceback.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, {"error": {"code": "internal_error", "message": "internal server error"}})
+        return error_response(request, ServiceError("internal server error"))
 
 
 async def require_api_key(request: Request) -> None:

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.core.batching import Encoder
@@ -24,6 +25,7 @@ from service.core.logs import log_access, new_request_id, request_id
 from service.core.request import Request
 from service.http.extensions import Headers, disconnect_probe, read_body, send_body
 from service.protocols.codec import Codec, Target
+from service.protocols.v2 import error_json
 
 log = logging.getLogger("service")
 
@@ -43,6 +45,13 @@ def inference_route(method: str, path: str) -> str | None:
         if path.startswith("/v2/models/") and path.endswith("/infer"):
             return "v2"
     return None
+
+
+def error_body(path: str, error: ServiceError) -> bytes:
+    """`error`'s body as the protocol of `path` writes it: under /v2 the Open Inference Protocol's
+    `{"error": "<message>"}`, elsewhere the service's one error body. For every answer that is not an
+    inference endpoint's own (FastAPI's routes, the transport's refusals)."""
+    return error_json(error) if path.startswith("/v2") else orjson.dumps(error.body())
 
 
 class InferenceEndpoint:

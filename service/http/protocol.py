@@ -33,10 +33,11 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-import orjson
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
 from service.config import Settings, get_settings
+from service.core.errors import HeadersTooLarge, Overloaded, RequestTimeout, ServiceError
+from service.http.endpoint import error_body
 
 log = logging.getLogger("service")
 HEALTH = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
@@ -46,29 +47,34 @@ _HEALTH_BYTES = frozenset(p.encode() for p in HEALTH)
 _SWEEP_S = 0.25  # how often the header and body deadlines are looked at
 
 
-def _refusal(status: int, code: str, message: str, retry_after: bool = False) -> bytes:
-    """A complete HTTP response for a refusal made before (or instead of) the app: the one error
-    body, and the connection closed."""
-    body = orjson.dumps({"error": {"code": code, "message": message}})
-    reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}[status]
-    head = [b"HTTP/1.1 %d %s" % (status, reason), b"content-type: application/json",
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+def _refusal(error: ServiceError, path: bytes) -> bytes:
+    """A complete HTTP response for a refusal made before (or instead of) the app: the error in the body
+    of the path's protocol (service.http.endpoint.error_body), and the connection closed."""
+    body = error_body(path.decode("latin-1"), error)
+    head = [b"HTTP/1.1 %d %s" % (error.status, _REASONS[error.status]), b"content-type: application/json",
             b"content-length: %d" % len(body), b"connection: close"]
-    if retry_after:
-        head.append(b"retry-after: 1")
+    head += [b"%s: %s" % (k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-def _refusing_app(status: int, code: str, message: str):
+def _refusing_app(error: ServiceError):
     """The same refusal as an ASGI app, for requests whose headers uvicorn has parsed already."""
-    body = orjson.dumps({"error": {"code": code, "message": message}})
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": status, "headers": [
+        body = error_body(scope["path"], error)
+        await send({"type": "http.response.start", "status": error.status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close"),
-            (b"retry-after", b"1")]})
+            *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]})
         await send({"type": "http.response.body", "body": body})
 
     return app
+
+
+def _overloaded(message: str) -> Overloaded:
+    return Overloaded(message, headers={"Retry-After": "1"})
 
 
 class CoalescingTransport:
@@ -217,7 +223,8 @@ _guard: Guard | None = None
 
 
 def guard() -> Guard:
-    """This process's guard, from the environment's settings (worker processes make their own)."""
+    """The guard of a protocol that no GracefulServer gave one (uvicorn run otherwise, with this
+    protocol class): from the environment's settings."""
     global _guard
     if _guard is None:
         _guard = Guard(get_settings())
@@ -227,7 +234,9 @@ def guard() -> Guard:
 class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.guard = guard()
+        # The served app's settings, where GracefulServer put its guard on the config (every worker
+        # makes its own); else the environment's.
+        self.guard = getattr(self.config, "attend_guard", None) or guard()
         self._awaiting_headers = False
         self._header_bytes = 0
         self._headers_due = 0.0  # when the headers awaited must have come (loop time)
@@ -246,7 +255,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.transport = CoalescingTransport(transport)  # type: ignore[assignment]
         if len(self.connections) > self.guard.settings.max_open_connections:
-            self._refuse(503, "overloaded", "too many open connections; retry shortly", retry_after=True)
+            self._refuse(_overloaded("too many open connections; retry shortly"))
             return
         self.guard.add(self)
         self._expect_headers()
@@ -268,17 +277,17 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             # An idle keep-alive connection just closes; one that began a request gets a 408.
             if self._header_bytes:
-                self._refuse(408, "request_timeout", f"the request's headers did not arrive within "
-                             f"{self.guard.settings.header_timeout_s:g} s (ATTEND_HEADER_TIMEOUT_S)")
+                self._refuse(RequestTimeout(f"the request's headers did not arrive within "
+                                            f"{self.guard.settings.header_timeout_s:g} s (ATTEND_HEADER_TIMEOUT_S)"))
             else:
                 self.transport.close()
 
-    def _refuse(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
+    def _refuse(self, error: ServiceError) -> None:
         self._awaiting_headers = False
         self._body_check = 0.0
         if not self.transport.is_closing():
             if self.cycle is None or not self.cycle.response_started:
-                self.transport.write(_refusal(status, code, message, retry_after))
+                self.transport.write(_refusal(error, getattr(self, "url", None) or b""))
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -288,8 +297,8 @@ class GuardedProtocol(HttpToolsProtocol):
             # Still in the headers after this chunk, and past the limit: refuse before the parser
             # holds more of them (what it holds is at most the limit plus one read).
             if self._awaiting_headers and self._header_bytes > self.guard.settings.max_header_bytes:
-                self._refuse(431, "headers_too_large", f"the request's headers are over "
-                             f"{self.guard.settings.max_header_bytes} bytes (ATTEND_MAX_HEADER_BYTES)")
+                self._refuse(HeadersTooLarge(f"the request's headers are over "
+                                             f"{self.guard.settings.max_header_bytes} bytes (ATTEND_MAX_HEADER_BYTES)"))
             return
         super().data_received(data)
 
@@ -321,7 +330,7 @@ class GuardedProtocol(HttpToolsProtocol):
                 self._body_check = self._body_started + self.guard.settings.body_timeout_s
             return
         # Answered through uvicorn's cycle, by this refusal instead of the service: the body is never read.
-        app, self.app = self.app, _refusing_app(503, "overloaded", refusal)
+        app, self.app = self.app, _refusing_app(_overloaded(refusal))
         try:
             super().on_headers_complete()
         finally:
@@ -428,8 +437,8 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._body_bytes > self._reserved:  # a chunked body: counted as it comes
             settings = self.guard.settings
             if self.guard.inflight_bytes + len(body) > settings.max_inflight_bytes:
-                self._refuse(503, "overloaded", "request bodies in flight would pass ATTEND_MAX_INFLIGHT_BYTES "
-                             f"({settings.max_inflight_bytes}); retry shortly", retry_after=True)
+                self._refuse(_overloaded("request bodies in flight would pass ATTEND_MAX_INFLIGHT_BYTES "
+                                         f"({settings.max_inflight_bytes}); retry shortly"))
                 return
             self._reserve(len(body))
         sink = self._sink
@@ -471,7 +480,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def _body_too_slow(self, why: str) -> None:
         log.info("closing a connection: %s", why)
         if self.cycle is not None and not self.cycle.response_started:
-            self.transport.write(_refusal(408, "request_timeout", why))
+            self.transport.write(_refusal(RequestTimeout(why), self.url or b""))
         self.transport.close()
 
     def on_response_complete(self) -> None:

@@ -10,6 +10,7 @@ import resource
 import signal
 import socket
 import tempfile
+import threading
 from types import FrameType
 from typing import Any
 
@@ -18,7 +19,7 @@ from uvicorn.supervisors import multiprocess
 
 from service.config import Settings
 from service.core.logs import flush_logs
-from service.http.protocol import GuardedProtocol, guard
+from service.http.protocol import Guard, GuardedProtocol
 
 log = logging.getLogger("service")
 # After SIGTERM: the listener stays open this long, then accepted connections get at most
@@ -44,14 +45,17 @@ class GracefulServer(uvicorn.Server):
         return self._app if self._app is not None else getattr(self.config, "loaded_app", None)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # The connections' limits, from the settings the app was built with (not the environment's).
+        self.config.attend_guard = guard = Guard(self.app.state.settings)  # type: ignore[attr-defined]
         await super().startup(sockets)
         if self.started:
             # The requests in progress (uvicorn's own set) and the connections with a client busy
             # sending requests: the batching reads how many.
-            self.app.state.dataplane.set_load_hint(self.server_state.tasks, guard().busy)
+            self.app.state.dataplane.set_load_hint(self.server_state.tasks, guard.busy)
             # SIGHUP: load every model whose newest version changed (uvicorn does not handle it, and
-            # its default action would end the process).
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+            # its default action would end the process). Signals reach the main thread only.
+            if threading.current_thread() is threading.main_thread():
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
             loop = type(asyncio.get_running_loop())
             log.info("serving on %s/ (the page; API docs: %s/docs); uvicorn on %s.%s with %s",
                      *[serving_url(self)] * 2, loop.__module__, loop.__qualname__,
