@@ -21,17 +21,13 @@ ATTEND_HOST, ATTEND_PORT and ATTEND_WORKERS do not apply: Serve's `http_options`
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import ray
-from fastapi import FastAPI
 from ray import serve
 from starlette.types import Message, Receive, Scope, Send
 
 from service.config import Settings
-from service.core.dataplane import Dataplane
 from service.core.logs import configure_logging
 from service.http.app import AttendApp, create_app
 
@@ -42,22 +38,6 @@ from service.http.app import AttendApp, create_app
 MAX_ONGOING = 64
 MAX_QUEUED = 256
 GRACE_S = Settings.model_fields["grace_period_s"].default
-
-
-class _RequestsInReplica:
-    """What the batching learns from the server under `python -m service` (the requests in progress,
-    the busy clients), told from a replica: the /attend requests it is serving now. Serve sends a
-    replica requests one by one, so those are all a batch can wait for: with two in flight and both
-    queued there is nobody else to wait for (without this the first of a batch would wait
-    ATTEND_MAX_BATCH_WAIT_US at least), and a request alone runs at once."""
-
-    __slots__ = ("dataplane",)
-
-    def __init__(self, dataplane: Dataplane):
-        self.dataplane = dataplane
-
-    def __len__(self) -> int:
-        return self.dataplane.in_flight
 
 
 def replica_settings() -> Settings:
@@ -103,18 +83,9 @@ def build_app() -> _OneRequestId:
     sessions, threads and a metrics registry, none of which could be pickled there and shipped)."""
     settings = replica_settings()
     configure_logging(settings.log_level)
-    app = create_app(settings)
-    lifespan = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def in_replica(app: FastAPI) -> AsyncIterator[None]:
-        async with lifespan(app):
-            requests = _RequestsInReplica(app.state.dataplane)
-            app.state.dataplane.set_load_hint(requests, requests)
-            yield
-
-    app.router.lifespan_context = in_replica
-    return _OneRequestId(app)
+    # The batching's load hint is the dataplane's own: Serve sends a replica requests one by one, so
+    # those in flight are all a batch can wait for.
+    return _OneRequestId(create_app(settings))
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED,

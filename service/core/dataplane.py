@@ -99,6 +99,21 @@ class _Within:
             raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
 
 
+class _InFlight:
+    """The load hint of a server that gives none (plain uvicorn, a Ray replica, a test client): the
+    requests in flight in this dataplane are those in progress, and their clients the busy ones. With
+    two in flight and both queued there is nobody else to wait for (without a hint the first of a
+    batch would wait ATTEND_MAX_BATCH_WAIT_US at least), and a request alone runs at once."""
+
+    __slots__ = ("dataplane",)
+
+    def __init__(self, dataplane: Dataplane):
+        self.dataplane = dataplane
+
+    def __len__(self) -> int:
+        return self.dataplane.in_flight
+
+
 class Dataplane:
     """The core of one app: see the module's docstring. Built with the app, opened by its lifespan."""
 
@@ -117,9 +132,9 @@ class Dataplane:
         self.serving = False  # requests are taken: from open() to close(), draining included
         self.in_flight = 0  # requests between admit() and release() (the in-flight gauge reads it)
         self.served_since_trim = 0  # requests since the heap was last trimmed (_trim_memory_when_idle)
-        # What the server says of its load (set_load_hint): the requests in progress in the server, where
-        # it tells: a request that is the only one has nobody to wait for to share a batch.
-        self.requests_in_progress: Sized | None = None
+        # What the server says of its load (set_load_hint): the requests in progress in the server: a
+        # request that is the only one has nobody to wait for to share a batch.
+        self.requests_in_progress: Sized = _InFlight(self)
         self._decoder: ThreadPoolExecutor | None = None
         self.metrics.in_flight_from(lambda: self.in_flight)
 
@@ -142,6 +157,8 @@ class Dataplane:
         if settings.poll_s:
             self.scheduler.spawn(self.control.poll(settings.poll_s))
         self.scheduler.spawn(_trim_memory_when_idle(self))
+        in_flight = _InFlight(self)  # until the server says more (set_load_hint)
+        self.set_load_hint(in_flight, in_flight)
         self.serving = self.ready = True
         self.metrics.ready.set(1)
         log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
@@ -166,7 +183,7 @@ class Dataplane:
             log.info("SIGHUP: loading the models whose newest version changed")
             self.scheduler.spawn(self.control.reload_changed())
 
-    def set_load_hint(self, requests_in_progress: Sized | None, busy_clients: Sized | None) -> None:
+    def set_load_hint(self, requests_in_progress: Sized, busy_clients: Sized) -> None:
         """What the server knows of its load, for the batching: the requests in progress (one alone
         runs at once), and the clients busy sending requests (how many a batch can wait for)."""
         self.requests_in_progress = requests_in_progress
@@ -257,9 +274,8 @@ class Dataplane:
 
     async def infer(self, request: Request, deadline: float, encode: Encoder, is_disconnected: Any = None) -> Any:
         """The encoded response for `request`, through the batching queue."""
-        tasks = self.requests_in_progress
         return await self.scheduler.submit(Job(request, deadline, encode, is_disconnected),
-                                           alone=tasks is not None and len(tasks) <= 1)
+                                           alone=len(self.requests_in_progress) <= 1)
 
 
 def check_api_key(header: bytes | None, keys: tuple[bytes, ...]) -> None:

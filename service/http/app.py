@@ -21,8 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.config import Settings, get_settings
 from service.core.dataplane import Dataplane, check_api_key
 from service.core.errors import ControlOff, InvalidRequest, ServiceError
-from service.core.logs import configure_logging, flush_logs
-from service.core.memory import release_memory_eagerly
+from service.core.logs import flush_logs
 from service.core.metrics import Metrics
 from service.core.runtime import Registry
 from service.http.endpoint import InferenceEndpoint, RequestContext, error_body, inference_route
@@ -137,14 +136,6 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
                            expose_headers=["X-Request-ID", "Retry-After"])
     app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
-
-
-def create_app_from_env() -> FastAPI:
-    """uvicorn's factory for worker processes: settings from the environment."""
-    settings = get_settings()
-    configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
-    release_memory_eagerly()
-    return create_app(settings)
 
 
 def error_response(request: Request, error: ServiceError) -> Response:

@@ -9,6 +9,12 @@ from export.repository import default_hyperparameters
 from service.http.schemas import toy_request
 
 
+@pytest.fixture
+def client(served):
+    """Every test of this module against each server (tests/service/conftest.py's SERVERS)."""
+    return served
+
+
 def _post(client, body):
     response = client.post("/attend", json=body)
     assert response.headers["content-type"] == "application/json"

@@ -14,6 +14,12 @@ from service.http.schemas import toy_request
 TOY = toy_request()  # additive: queries (2, 1, 20), keys (2, 10, 2), values (2, 10, 4), valid_lens [2, 6]
 
 
+@pytest.fixture
+def client(served):
+    """Every test of this module against each server (tests/service/conftest.py's SERVERS)."""
+    return served
+
+
 def toy(**changes):
     body = dict(TOY)
     for key, value in changes.items():

@@ -12,6 +12,12 @@ from service.http.app import create_app
 from service.http.schemas import toy_request
 
 
+@pytest.fixture
+def client(served):
+    """Every test of this module against each server (tests/service/conftest.py's SERVERS)."""
+    return served
+
+
 def test_models_lists_every_model_with_its_provider(client):
     body = client.get("/models").json()
     names = [m["name"] for m in body["models"]]

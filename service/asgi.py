@@ -1,0 +1,30 @@
+"""The service as a plain ASGI application, for any ASGI server:
+
+    uvicorn --factory service.asgi:create_app --host 0.0.0.0 --port 8000
+
+The same API, settings (ATTEND_*, read from the environment), models, checks, batching and metrics as
+`python -m service`. What only `python -m service` adds is its own HTTP protocol and process
+(service.http.protocol, service.http.server): the connection guard (header and body timeouts,
+requests and connections at once, the in-flight budget counted before a body is read), responses
+written in one system call, bodies written into one aligned buffer, SIGHUP reloads, ATTEND_WORKERS
+and the graceful stop; under another server each falls back to plain ASGI
+(service.http.extensions) and that server's own settings apply (ATTEND_HOST, ATTEND_PORT and
+ATTEND_WORKERS do not).
+"""
+
+from __future__ import annotations
+
+from service.config import get_settings
+from service.core.logs import configure_logging
+from service.core.memory import release_memory_eagerly
+from service.http.app import AttendApp
+from service.http.app import create_app as _create_app
+
+
+def create_app() -> AttendApp:
+    """The app, with the settings of the environment: a factory for `uvicorn --factory` (and any server
+    that calls one; every worker process calls it again)."""
+    settings = get_settings()
+    configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
+    release_memory_eagerly()
+    return _create_app(settings)
