@@ -1,7 +1,45 @@
-"""The server's side of the inference endpoints' contract, with a plain-ASGI fallback for each:
-the body read (bounded), the response written, and whether the client has gone. Under `python -m
-service` the service's own protocol (service.http.protocol.GuardedProtocol) offers faster ways as
-extensions of the ASGI scope; under any other ASGI server the same calls take ASGI's own way."""
+"""The contract between the inference endpoints and the server under them, with a plain-ASGI fallback
+for every part: under `python -m service` the service's own HTTP protocol
+(service.http.protocol.GuardedProtocol) offers faster ways as extensions of the ASGI scope
+(`scope["extensions"]`); under any other ASGI server (`uvicorn --factory service.asgi:create_app`,
+Ray Serve, a test client) the same calls take ASGI's own way.
+
+    extension               set by (GuardedProtocol.)     signature                      fallback when absent
+    "attend.arrived"        on_headers_complete           float: time.monotonic() when   time.monotonic() when the
+                                                          the request's headers were in  endpoint starts
+    "attend.body"           on_headers_complete, for a    (aligned_at: int) ->           receive() until the last
+                            body with a Content-Length    Future[memoryview | None]:     message (read_body), bytes
+                                                          the whole body in one buffer,
+                                                          None if the client went; in
+                                                          place of receive()
+    "attend.respond"        on_headers_complete           (status, headers, body) ->     ASGI send of a start and a
+                                                          bool: the whole response in    body message (send_body)
+                                                          one write; False: not taken
+                                                          (nothing written)
+    "attend.hold"           on_headers_complete           (writes: int) -> None: the     each message its own write
+                                                          next `writes` writes go out
+                                                          with the one after them
+    "attend.disconnected"   on_headers_complete           () -> bool: the client has     a receive() cancelled at
+                                                          gone                           once (disconnect_probe)
+
+The uvicorn internals that service.http.protocol and service.http.server touch (a change of any of
+them breaks the service, hence the upper bound on uvicorn in pyproject.toml;
+tests/service/test_layers.py checks that each exists in the installed uvicorn):
+
+    uvicorn.protocols.http.httptools_impl: HttpToolsProtocol (its connection_made, data_received,
+        on_message_begin, on_headers_complete, on_body, on_message_complete, on_response_complete,
+        connection_lost, and its fields cycle, connections, tasks, flow, pipeline, url, headers, scope,
+        app, config, loop, transport), HEADER_VALUE_RE, STATUS_LINE;
+    its RequestResponseCycle's fields: scope, flow, body, more_body, keep_alive, disconnected,
+        response_started, response_complete, waiting_for_100_continue, chunked_encoding,
+        expected_content_length, message_event, on_response, access_log, default_headers;
+    uvicorn.protocols.http.flow_control.FlowControl: read_paused, resume_reading;
+    uvicorn.Server: startup, shutdown, handle_exit, servers, server_state (tasks, connections),
+        lifespan, started, config (http_protocol_class, loaded_app);
+    uvicorn.supervisors.multiprocess: Multiprocess (processes, sockets, should_exit, terminate_all,
+        handle_hup), Process (config, _server), whose module-level name run_workers replaces while
+        the supervisor runs.
+"""
 
 from __future__ import annotations
 

@@ -193,13 +193,14 @@ def run_workers(settings: Settings) -> None:
     metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
 
-    # uvicorn's supervisor makes its workers with the module's Process: this one runs ours.
-    multiprocess.Process = Worker  # type: ignore[misc]
-    config = uvicorn.Config("service.http.app:create_app_from_env", factory=True, workers=settings.workers,
+    config = uvicorn.Config("service.asgi:create_app", factory=True, workers=settings.workers,
                             **uvicorn_options(settings))
+    # uvicorn's supervisor makes its workers with its module's Process: ours, while it runs.
+    process, multiprocess.Process = multiprocess.Process, Worker  # type: ignore[misc]
     try:
         Supervisor(config, sockets=[config.bind_socket()]).run()
     finally:
+        multiprocess.Process = process  # type: ignore[misc]
         for name in os.listdir(metrics_dir):
             os.unlink(os.path.join(metrics_dir, name))
         os.rmdir(metrics_dir)

@@ -101,3 +101,52 @@ def test_the_checks_see_a_violation(tmp_path):
     assert found == ["numpy", "service.http", "fastapi", "service", "service.serve"]
     assert room("service.http") == "http" and "http" not in ALLOWED["core"]
     assert room("service.serve") == "entry" and "entry" not in ALLOWED["protocols"]
+
+
+# The uvicorn internals the transport touches (service/http/extensions.py lists them): each must exist in
+# the installed uvicorn, which pyproject.toml bounds to the versions this suite runs with.
+_PROTOCOL_FIELDS = ("cycle", "connections", "tasks", "flow", "pipeline", "url", "headers", "scope", "app", "config",
+                    "loop", "transport")
+_CYCLE_FIELDS = ("scope", "flow", "body", "more_body", "keep_alive", "disconnected", "response_started",
+                 "response_complete", "waiting_for_100_continue", "chunked_encoding", "expected_content_length",
+                 "message_event", "on_response", "access_log", "default_headers")
+
+
+def _assigned(cls: type) -> set[str]:
+    """The instance fields a class's source assigns (self.x = ..., self.x: T = ..., self.x += ...)."""
+    import inspect
+    import re
+
+    return set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?[+]?=", inspect.getsource(cls)))
+
+
+def test_the_uvicorn_internals_the_transport_touches_are_there():
+    from uvicorn import Server
+    from uvicorn.protocols.http import httptools_impl
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.supervisors import multiprocess
+
+    protocol, cycle = httptools_impl.HttpToolsProtocol, httptools_impl.RequestResponseCycle
+    for name in ("connection_made", "data_received", "on_message_begin", "on_headers_complete", "on_body",
+                 "on_message_complete", "on_response_complete", "connection_lost"):
+        assert callable(getattr(protocol, name)), name
+    assert set(_PROTOCOL_FIELDS) <= _assigned(protocol), set(_PROTOCOL_FIELDS) - _assigned(protocol)
+    assert set(_CYCLE_FIELDS) <= _assigned(cycle), set(_CYCLE_FIELDS) - _assigned(cycle)
+    assert httptools_impl.STATUS_LINE[200].startswith(b"HTTP/1.1 200")
+    assert httptools_impl.HEADER_VALUE_RE.search(b"a\r\nb") and not httptools_impl.HEADER_VALUE_RE.search(b"ab")
+    assert {"read_paused"} <= _assigned(FlowControl) and callable(FlowControl.resume_reading)
+    for name in ("startup", "shutdown", "handle_exit"):
+        assert callable(getattr(Server, name)), name
+    assert {"servers", "server_state", "lifespan", "started", "config"} <= _assigned(Server)
+    assert {"processes", "sockets", "should_exit"} <= _assigned(multiprocess.Multiprocess)
+    assert callable(multiprocess.Multiprocess.terminate_all) and callable(multiprocess.Multiprocess.handle_hup)
+    assert {"config", "_server"} <= _assigned(multiprocess.Process)
+
+
+def test_the_checks_of_the_contract_can_fail():
+    class Probe:
+        def __init__(self):
+            self.kept: int = 1
+            self.added = 2
+
+    assert _assigned(Probe) == {"kept", "added"}
