@@ -38,6 +38,7 @@ from export.repository import (
 log = logging.getLogger("service")
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+_RUN_OPTIONS = ort.RunOptions()
 _ORT_TYPES = {"float32": "tensor(float)", "int64": "tensor(int64)"}
 
 
@@ -91,21 +92,13 @@ class LoadedModel:
     def output_names(self) -> frozenset[str]:
         return frozenset(self._output_names)
 
-    @functools.cached_property
-    def _run(self) -> Any:
-        # InferenceSession.run checks the feed's names and types in Python before calling the C++
-        # session: 8 us a call measured here, more than a third of the book's toy request's whole
-        # run. The feed is checked already (service.protocols.attend, against the same signature), so the
-        # service calls the C++ session's run directly where the binding has it.
-        inner = getattr(self.session, "_sess", None)
-        if inner is not None and hasattr(inner, "run"):
-            return lambda names, feed: inner.run(names, feed, None)
-        return self.session.run
-
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every output of the graph by name (`outputs`, `attention_weights`, and `P` for the
-        positional encoding). Thread-safe: ORT allows concurrent Run on one session."""
-        return dict(zip(self._output_names, self._run(self._output_names, feed), strict=True))
+        positional encoding). Thread-safe: ORT allows concurrent Run on one session (and a RunOptions is
+        only read by it). ONNX Runtime's public API: with a RunOptions given (ORT makes one a call
+        otherwise) it costs the book's toy request ~1 us more than the private C++ session's run did,
+        IO binding ~5 us more (`python bench/ort_call.py`, docs/benchmarks.md)."""
+        return dict(zip(self._output_names, self.session.run(self._output_names, feed, _RUN_OPTIONS), strict=True))
 
     def describe(self) -> dict[str, Any]:
         hp = self.config.hyperparameters
