@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))
 PIP_TOOLS := pip-tools==7.6.2
 LINT := $(PY) -m ruff check models export service tests bench scripts
 
-.PHONY: install install-ray check-lock lock export serve test test-ray lint browser bench bench-ray \
+.PHONY: install install-ray check-lock lock export serve test test-ray lint browser tools bench bench-ray \
 	perf-analyzer load soak membound container-lint compose-smoke deploy-lint
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
@@ -57,7 +57,11 @@ browser:  ## Debian's chromium for the page's browser tests, unless it is there 
 	@test -x $(CHROMIUM) || [ "$$ATTEND_SKIP_BROWSER" = 1 ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-test: install browser  ## lint, then the whole suite but the Ray tests, as CI runs it (the page's tests in chromium included)
+# strace: the tests that count the service's system calls (a response in one write) use it.
+tools:  ## Debian's strace for the suite, unless it is there
+	@command -v strace >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace >/dev/null)
+
+test: install browser tools  ## lint, then the whole suite but the Ray tests, as CI runs it (the page's tests in chromium included)
 	$(LINT)
 	$(PY) -m pytest -m "not ray"
 

@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 
 
@@ -8,4 +10,14 @@ def repository(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("repo") / "model_repository"
     assert main(["--repository", str(path)]) == 0
+    return path
+
+
+@pytest.fixture(scope="session")
+def strace():
+    """strace, for the tests that count a process's system calls: `make test` installs it (Debian's
+    package); without it they fail, saying so, rather than skip on a machine that should run them."""
+    path = shutil.which("strace")
+    if path is None:
+        pytest.fail("strace is not installed: `make test` installs it (apt-get install strace)", pytrace=False)
     return path

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -286,8 +285,7 @@ def test_a_client_gone_mid_body_is_counted_and_the_service_goes_on(service, expe
     assert status == 200
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
-def test_a_binary_response_goes_out_in_one_writev_unjoined(service, expected, tmp_path):
+def test_a_binary_response_goes_out_in_one_writev_unjoined(service, expected, tmp_path, strace):
     """The head, the JSON header and each output's bytes leave in one writev(), as separate buffers
     (nothing joined), and the client reads the right numbers."""
     url, proc = service

@@ -2,7 +2,7 @@
 
 import json
 import os
-import shutil
+import re
 import signal
 import socket
 import subprocess
@@ -57,7 +57,8 @@ def test_a_start_without_cuda_says_so_in_one_line(repository, tmp_path):
     assert len(said) == 1, text
     assert "no CUDA here (" in said[0] and "the CPU execution provider serves every model" in said[0]
     if "CUDAExecutionProvider" in ort.get_available_providers():  # onnxruntime-gpu: it did try, and said why
-        assert "cannot open shared object file" in said[0] or "CUDA" in said[0]
+        reason = re.search(r"no CUDA here \((.*)\): ", said[0]).group(1)
+        assert reason and reason != "no reason logged", said[0]
     assert "[E:onnxruntime" not in text and "Failed to load library" not in text and "Traceback" not in text
     assert f"serving on {url}" in text
 
@@ -78,12 +79,7 @@ def test_the_server_runs_uvloop_and_httptools(repository, tmp_path):
     log = tmp_path / "service.log"
     with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info"):
         pass
-    assert "uvicorn on uvloop.Loop with GuardedProtocol" in log.read_text()  # httptools, guarded (service.server)
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    from service.http.protocol import GuardedProtocol
-
-    assert issubclass(GuardedProtocol, HttpToolsProtocol)
+    assert "uvicorn on uvloop.Loop with GuardedProtocol" in log.read_text()  # httptools, guarded
 
 
 def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(repository):
@@ -119,8 +115,7 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
     assert runs < served  # merged
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
-def test_a_response_goes_out_in_one_write(repository, tmp_path):
+def test_a_response_goes_out_in_one_write(repository, tmp_path, strace):
     """The status line, headers and body of an /attend response (200 or an error) leave in one system
     call (service.http.protocol.CoalescingTransport), not uvicorn's two: seen with strace on the real process."""
     trace = tmp_path / "writes.txt"

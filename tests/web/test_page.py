@@ -122,8 +122,7 @@ BOOK_KINDS = ["additive", "dot_product", "multi_head", "self_attention", "masked
 
 @pytest.mark.parametrize("kind", BOOK_KINDS)
 def test_the_books_example_of_each_kind_is_drawn_as_the_api_answers_it(tab, service, served, kind):
-    if kind not in served:  # masked_softmax: the kind the lead is adding (issue #12)
-        pytest.skip(f"no {kind} model in GET /models yet")
+    assert kind in served
     page = tab.page
     page.select_option("#model", kind)
     page.click("#book")
@@ -257,8 +256,7 @@ def test_text_that_is_not_json_is_named_without_a_request(tab):
 
 def test_the_positional_encoding_view_draws_p_and_its_columns(tab, service, served):
     """The chapter's figures: P for 60 positions and 32 dimensions as a heatmap, columns 6 to 9 as curves."""
-    if "positional_encoding" not in served:  # the kind the lead is adding (issue #12); this runs once it lands
-        pytest.skip("no positional_encoding model in GET /models yet")
+    assert "positional_encoding" in served
     page = tab.page
     page.select_option("#model", "positional_encoding")
     page.click("#book")
