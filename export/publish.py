@@ -10,7 +10,6 @@ atomically last, so the service only ever sees a complete, validated version.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,13 +20,10 @@ import torch
 
 from export.build import build_module, export_onnx, load_checkpoint
 from export.errors import ExportError
-from export.repository import MODEL_FILE, ModelConfig, sha256_of, write_config
+from export.repository import MODEL_FILE, NAME_RULE, ModelConfig, sha256_of, valid_name, write_config
 from export.validate import validate
 
 __all__ = ["export_model"]
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
 
 def _describe(kind: str, hp: dict[str, Any]) -> str:
     return f"{kind}(" + ", ".join(f"{k}={v}" for k, v in hp.items()) + ")"
@@ -46,9 +42,8 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
 
     Without a checkpoint the weights are seeded (`seed`), as for the default repository.
     """
-    if not _NAME.match(name):
-        raise ExportError(f"model name {name!r} must be 1-64 letters, digits, '_', '-' or '.', "
-                          "starting with a letter or digit")
+    if not valid_name(name):
+        raise ExportError(f"model name {name!r} must be {NAME_RULE}")
     torch.manual_seed(seed)
     try:
         module = build_module(kind, hp)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 
 __all__ = [
     "CONFIG_FILE",
+    "NAME_RULE",
     "KINDS",
     "MODEL_FILE",
     "ModelConfig",
@@ -33,14 +35,19 @@ __all__ = [
     "example_feed",
     "list_models",
     "list_versions",
+    "model_dir",
     "read_config",
     "sha256_of",
     "signature",
     "valid_lens_2d",
+    "valid_name",
     "write_config",
 ]
 
 CONFIG_FILE = "config.json"
+# A model's name is its folder's: the exporter writes only such names, and the service reads only such.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+NAME_RULE = "1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
 MODEL_FILE = "model.onnx"
 KINDS = ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding")
 
@@ -269,3 +276,20 @@ def list_models(repository: Path) -> list[Path]:
     return sorted(
         p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / CONFIG_FILE).exists()
     )
+
+
+def valid_name(name: str) -> bool:
+    return _NAME.fullmatch(name) is not None
+
+
+def model_dir(repository: Path, name: str) -> Path | None:
+    """`<repository>/<name>`, for a valid name whose folder (symbolic links resolved) is inside the
+    repository; else None."""
+    if not valid_name(name):
+        return None
+    path = repository / name
+    try:
+        root = repository.resolve()
+        return path if path.resolve().is_relative_to(root) and path.resolve() != root else None
+    except OSError:
+        return None

@@ -18,8 +18,9 @@ import logging
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 
-from service.config import get_settings
+from service.config import UnknownSetting, get_settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
@@ -31,7 +32,11 @@ log = logging.getLogger("service")
 
 
 def main() -> int:
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except (UnknownSetting, ValidationError) as e:  # one line, before anything else: no traceback
+        print(f"cannot start: {_one_line(e)}", file=sys.stderr)
+        return 1
     configure_logging(settings.log_level)
     release_memory_eagerly()  # before the first large allocation
     try:
@@ -48,6 +53,14 @@ def main() -> int:
         del registry
         run_workers(settings)
     return 0
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        name = "ATTEND_" + "_".join(str(part) for part in first["loc"]).upper()
+        return f"{name}: {first['msg']} (got {str(first.get('input'))[:100]!r})"
+    return str(error)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -127,6 +129,38 @@ class Settings(BaseSettings):
         return self.inference_threads or min(2, self.cores())
 
 
+# ATTEND_* variables that are not the service's settings: the tools around it read them (the tests' browser,
+# compose's published port and base image, the container and deploy checks). Any other ATTEND_* variable
+# is a mistake, and the service refuses to start with it (a typo would otherwise leave a setting unset:
+# ATTEND_API_KEY=... serving with no key at all).
+TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE", "ATTEND_SKIP_BROWSER",
+                            "ATTEND_CHROMIUM", "ATTEND_SCREENSHOTS", "ATTEND_TOOLS", "ATTEND_DEPLOY_TOOLS",
+                            "ATTEND_DOCKER_STATE"})
+
+
+class UnknownSetting(ValueError):
+    """An ATTEND_* variable that names no setting; the message is one line."""
+
+
+def setting_names() -> list[str]:
+    return [f"ATTEND_{name.upper()}" for name in Settings.model_fields]
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Raise UnknownSetting for the first ATTEND_* variable (any case, as pydantic-settings reads them)
+    that is neither a setting nor a tool's, naming the setting it most likely meant."""
+    known = set(setting_names())
+    for name in sorted(os.environ if environ is None else environ):
+        upper = name.upper()
+        if upper.startswith("ATTEND_") and upper not in known and upper not in TOOL_VARIABLES:
+            close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UnknownSetting(f"unknown setting {name}{hint}: every ATTEND_* variable must be one of the "
+                                 "settings the README lists")
+
+
 @lru_cache
 def get_settings() -> Settings:
+    """The settings of the environment; UnknownSetting for an ATTEND_* variable that is none."""
+    check_environment()
     return Settings()

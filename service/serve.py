@@ -27,7 +27,7 @@ import ray
 from ray import serve
 from starlette.types import Message, Receive, Scope, Send
 
-from service.config import Settings
+from service.config import Settings, get_settings
 from service.core.logs import configure_logging
 from service.http.app import AttendApp, create_app
 
@@ -44,7 +44,7 @@ def replica_settings() -> Settings:
     """ATTEND_* of the replica's environment; the thread counts that default to "the cores this process
     may use" become the CPUs Ray gave the replica (`ray_actor_options.num_cpus`), not the node's cores,
     which every replica on the node would otherwise take for its own."""
-    settings = Settings()
+    settings = get_settings()
     cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0))
     if cpus >= 1:
         settings = settings.model_copy(update={

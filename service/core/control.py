@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import anyio
 
+from export.repository import NAME_RULE, valid_name
 from service.core.batching import Scheduler
-from service.core.errors import ModelNotFound, ServiceError
+from service.core.errors import ModelNotFound, ServiceError, excerpt
 from service.core.runtime import LoadedModel, Registry, StartupError
 
 log = logging.getLogger("service")
@@ -26,6 +27,16 @@ class LoadFailed(ServiceError):
     """The model could not be loaded; what was serving still is."""
 
     status, code = 400, "load_failed"
+
+
+def _check_name(name: str) -> None:
+    """Names from URLs follow the exporter's rule (a model's folder name), before they are near a path."""
+    if not valid_name(name):
+        raise InvalidName(f"{excerpt(name)} is not a model's name: a name is {NAME_RULE}", field="name")
+
+
+class InvalidName(ServiceError):
+    status, code = 400, "invalid_name"
 
 
 @dataclass
@@ -43,6 +54,7 @@ class ModelControl:
         loader = self.registry.loader
         if loader is None:
             raise LoadFailed("this service has no model repository to load from")
+        _check_name(name)
         async with self._lock:
             newest = loader.newest(name)
             current = self.registry.get(name)
@@ -66,9 +78,10 @@ class ModelControl:
     async def unload(self, name: str) -> int:
         """Stop serving `name`: new requests for it get 404 at once; what its queue holds finishes
         first. Returns the number of versions unloaded."""
+        _check_name(name)
         async with self._lock:
             if not self.registry.loaded_versions(name):
-                raise ModelNotFound(f"model {name} is not loaded")
+                raise ModelNotFound(f"model {excerpt(name)} is not loaded")
             retired = self.registry.remove(name)
         drained = await asyncio.gather(*(self.scheduler.retire(m, self.drain_s) for m in retired))
         log.info("model %s unloaded%s", name, "" if all(drained) else " (its queue did not drain in time)")

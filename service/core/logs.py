@@ -23,6 +23,15 @@ _PREFIX = os.urandom(4).hex() + "-"  # made-up request IDs: this process's prefi
 _COUNTER = itertools.count(1)
 
 
+def escape(text: str) -> str:
+    """`text` with every character that is not printable written as its escape (a line break as \\n, an
+    ANSI escape as \\x1b): what a client sent (a path, a model's name, a header) cannot start a line of
+    its own in the log, or colour a terminal."""
+    if text.isprintable():  # nearly always: one C call
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get()
@@ -56,13 +65,18 @@ class _Formatter(logging.Formatter):
         """What `format` makes of an INFO record of service.access logged now, made without the
         record (making and handling it costs ~12 of the 17 us of a log_access, measured in-process)."""
         now = time.time()
-        return f"{self._time(now, int((now - int(now)) * 1000))} INFO service.access [{request_id.get()}] {message}\n"
+        return (f"{self._time(now, int((now - int(now)) * 1000))} INFO service.access [{request_id.get()}] "
+                f"{escape(message)}\n")
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.exc_info or record.exc_text or record.stack_info:
-            return super().format(record)
-        return (f"{self.formatTime(record)} {record.levelname} {record.name} "
-                f"[{getattr(record, 'request_id', '-')}] {record.getMessage()}")
+        line = (f"{self.formatTime(record)} {record.levelname} {record.name} "
+                f"[{getattr(record, 'request_id', '-')}] {escape(record.getMessage())}")
+        if record.exc_info or record.exc_text or record.stack_info:  # the traceback on lines of its own
+            if record.exc_info and not record.exc_text:
+                record.exc_text = self.formatException(record.exc_info)
+            parts = [line, record.exc_text or "", self.formatStack(record.stack_info) if record.stack_info else ""]
+            return "\n".join(part for part in parts if part)
+        return line
 
 
 class _BatchHandler(logging.StreamHandler):

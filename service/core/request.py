@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from export.repository import TensorSpec, valid_lens_2d
+from export.repository import NAME_RULE, TensorSpec, valid_lens_2d, valid_name
 from service.core.errors import InvalidRequest, InvalidShape, ModelNotFound, ModelUnavailable, PayloadTooLarge, excerpt
 from service.core.runtime import LoadedModel, Registry
 
@@ -203,4 +203,7 @@ def find_model(registry: Registry, name: str, version: int | str | None = None, 
 
 
 def unknown_model(registry: Registry, name: str, field: str | None = None) -> ModelNotFound:
+    if not valid_name(name):
+        return ModelNotFound(f"{excerpt(name)} is not a model's name (a name is {NAME_RULE}); available: "
+                             f"{', '.join(registry.names())}", field=field)
     return ModelNotFound(f"unknown model {excerpt(name)}; available: {', '.join(registry.names())}", field=field)

@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from export.repository import (
     CONFIG_FILE,
+    NAME_RULE,
     ModelConfig,
     TensorSpec,
     example_feed,
@@ -34,6 +35,7 @@ from export.repository import (
     read_config,
     sha256_of,
 )
+from export.repository import model_dir as folder_of
 
 log = logging.getLogger("service")
 
@@ -274,7 +276,9 @@ class Loader:
     def load(self, name: str, version: int | None = None) -> LoadedModel:
         """Load, check and warm up `name` (its newest version, or `version`). StartupError when it
         cannot be served, with the reason."""
-        model_dir = self.repository / name
+        model_dir = folder_of(self.repository, name)
+        if model_dir is None:
+            raise StartupError(f"{name!r} is not a model's name: a name is {NAME_RULE}")
         if not (model_dir / CONFIG_FILE).is_file():
             raise StartupError(f"model {name}: no such model in the repository (no {name}/{CONFIG_FILE})")
         start = time.perf_counter()
@@ -295,8 +299,9 @@ class Loader:
 
     def newest(self, name: str) -> int | None:
         """The version the model's config.json names as the newest, or None (no such model, unreadable)."""
+        model_dir = folder_of(self.repository, name)
         try:
-            return read_config(self.repository / name).version
+            return read_config(model_dir).version if model_dir is not None else None
         except Exception:
             return None
 

@@ -47,6 +47,12 @@ def inference_route(method: str, path: str) -> str | None:
     return None
 
 
+def _logged_path(scope: Scope) -> str:
+    """The path as the client sent it (percent-encoded: a %0a stays three characters), for the log."""
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if raw is not None else scope["path"]
+
+
 def error_body(path: str, error: ServiceError) -> bytes:
     """`error`'s body as the protocol of `path` writes it: under /v2 the Open Inference Protocol's
     `{"error": "<message>"}`, elsewhere the service's one error body. For every answer that is not an
@@ -106,7 +112,7 @@ class InferenceEndpoint:
         try:
             status = await self._serve(scope, headers, receive, send, extra, start)
         finally:
-            log_access("POST", scope["path"], status, time.perf_counter() - start)
+            log_access("POST", _logged_path(scope), status, time.perf_counter() - start)
             request_id.reset(token)
 
     async def send_error(self, send: Send, error: ServiceError, headers: Headers, hold: Any = None,
@@ -151,7 +157,7 @@ class InferenceEndpoint:
                 return 0
             return await self.send_error(send, e, extra, hold, respond)
         except Exception:
-            log.exception("unhandled error on POST %s", scope["path"][:200])
+            log.exception("unhandled error on POST %s", _logged_path(scope)[:200])
             error = ServiceError("internal server error")
             dataplane.failed(model, error)
             return await self.send_error(send, error, extra, hold, respond)
@@ -186,5 +192,5 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log_access(scope["method"], scope["path"], status, time.perf_counter() - start)
+            log_access(scope["method"], _logged_path(scope), status, time.perf_counter() - start)
             request_id.reset(token)

@@ -72,4 +72,27 @@ check "compose config: cpu" compose_config cpu -f docker-compose.yml -f docker-c
 check "compose config: cpu + loadtest" compose_config cpu -f docker-compose.yml -f docker-compose.cpu.yml \
     --profile loadtest
 
+# Every ATTEND_* setting of the caller's environment, or of compose's environment file (.env), reaches the
+# container; one unset in both is left out (the service's default), not passed on empty.
+compose_settings() {
+    local json dir
+    dir=$(mktemp -d)
+    cp docker-compose.yml "$dir/"
+    printf 'ATTEND_MAX_QUEUE=9\nATTEND_API_KEYS=from-the-file\n' >"$dir/.env"
+    json=$(cd "$dir" && env -u ATTEND_POLL_S ATTEND_API_KEYS=lint-key-123 ATTEND_MAX_INFLIGHT_BYTES=12345678 \
+           "$TOOLS/bin/docker-compose" -f docker-compose.yml config --format json) || return 1
+    rm -r "$dir"
+    python3 - "$json" <<'EOF'
+import json, sys
+env = json.loads(sys.argv[1])["services"]["api"]["environment"]
+want = {"ATTEND_API_KEYS": "lint-key-123", "ATTEND_MAX_INFLIGHT_BYTES": "12345678", "ATTEND_MAX_QUEUE": "9"}
+problems = [f"{k}={env.get(k)!r}, expected {v!r}" for k, v in want.items() if env.get(k) != v]
+if env.get("ATTEND_POLL_S") is not None:  # null: unset in the container
+    problems.append(f"ATTEND_POLL_S is passed on though unset: {env['ATTEND_POLL_S']!r}")
+print("\n".join(problems), file=sys.stderr)
+sys.exit(1 if problems else 0)
+EOF
+}
+check "compose passes the caller's ATTEND_* settings and .env's" compose_settings
+
 exit "$failed"

@@ -143,8 +143,9 @@ MESSAGES = [
      "valid_lens, return_weights"),
     ("unknown-field-long", "unknown field '" + "x" * 64 + "'... (10000 characters); expected: model, version, "
      "queries, keys, values, scores, valid_lens, return_weights"),
-    ("unknown-model-long", "unknown model '" + "m" * 64 + "'... (100000 characters); available: additive, "
-     "dot_product, masked_softmax, multi_head, positional_encoding, self_attention"),
+    ("unknown-model-long", "'" + "m" * 64 + "'... (100000 characters) is not a model's name (a name is 1-64 "
+     "letters, digits, '_', '-' or '.', starting with a letter or digit); available: additive, dot_product, "
+     "masked_softmax, multi_head, positional_encoding, self_attention"),
 ]
 _PYTHON_WORDS = ("NoneType", "numpy", "inhomogeneous", "dtype", "ndarray", "float64", "'list'", "'dict'", "'str'",
                  "Traceback", "setting an array element", "object of type", "'bool'")
