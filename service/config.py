@@ -40,9 +40,11 @@ class Settings(BaseSettings):
     # SIGTERM: readiness turns 503 at once; requests in flight and queued finish within this.
     grace_period_s: float = Field(30.0, ge=0)
 
-    # Limits per request. The body bound also bounds the parse: ~8 bytes of JSON per number
-    # become a 24-byte Python float plus a list slot while decoding (see docs/reliability.md).
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # Limits per request. A body's bytes as received, and (compressed ones) once inflated; what it
+    # costs in memory is counted against max_inflight_bytes (service.core.cost).
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="a body's bytes, inflated ones included")
+    max_inflate_ratio: float = Field(100.0, ge=1, description="a gzip or deflate body may inflate to at most this "
+                                     "many times its bytes (JSON of floats compresses 2-5 times)")
     max_batch: int = Field(1024, ge=1, description="batch size of one request")
     max_sequence: int = Field(4096, ge=1, description="n_q and n_k of one request")
     max_features: int = Field(4096, ge=1, description="query, key and value sizes")
@@ -69,8 +71,16 @@ class Settings(BaseSettings):
     # the load limits: an orchestrator must not restart a busy service.
     max_connections: int = Field(512, ge=1, description="requests in progress at once; more get 503 + Retry-After")
     max_open_connections: int = Field(4096, ge=1, description="open connections; more are refused at once")
-    max_inflight_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="bytes of request bodies in flight; "
-                                    "a request that would pass it gets 503 + Retry-After before its body is read")
+    max_inflight_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="bytes of memory the requests in "
+                                    "flight may cost together (service.core.cost): a request that would pass it "
+                                    "gets 503 + Retry-After (before its body is read where its length says so), "
+                                    "one that would cost more than all of it 413")
+    # A refusal sent while the client is still sending its body (413, 503, 401, ...) is followed by
+    # reading and dropping the rest of it, so that the client, done sending, reads the answer (nginx's
+    # lingering close); at most this many bytes and seconds, then the connection is closed.
+    drain_bytes: int = Field(64 * 1024 * 1024, ge=0, description="bytes of a refused request's body read and "
+                             "dropped so its client reads the answer")
+    drain_s: float = Field(10.0, ge=0, description="seconds the rest of a refused request's body is read and dropped")
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="a request's headers in all; more get 431")
     header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this (408)")
     body_timeout_s: float = Field(10.0, gt=0, description="a body that does not progress for this long gets 408")

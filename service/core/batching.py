@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sized
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core.cost import answer
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.core.metrics import Metrics
 from service.core.request import Request
@@ -83,7 +85,7 @@ class Job:
     or n, and the free feature sizes); requests group by feature sizes and length buckets."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
-                 "n_k", "key")
+                 "n_k", "key", "cost")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -99,11 +101,12 @@ class Job:
             sizes = _sizes(request)
             if memo is not None:
                 memo["job sizes"] = sizes
-        self.axes, self.rows, self.n_q, self.n_k, self.key = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key, self.cost = sizes
 
 
-def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple]:
-    """A Job's axes, rows, n_q, n_k and key, from its request's shapes."""
+def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, int]:
+    """A Job's axes, rows, n_q, n_k, key, and what its arrays, run and answer cost in memory
+    (service.core.cost.answer), from its request's shapes."""
     feed = request.feed
     axes: dict[str, int] = {}
     for name, named in request.model.named_input_axes:
@@ -114,7 +117,14 @@ def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple]:
     # The second length of a run's cost: keys, or for the positional encoding its features.
     n_k = axes.get("n_k") or axes.get("d") or n_q
     features = tuple(size for name, size in axes.items() if name != "batch" and name not in _SEQUENCE)
-    return axes, axes["batch"], n_q, n_k, (features, bucket(n_q), bucket(n_k))
+    outputs = weights = 0
+    for spec in request.model.outputs:
+        size = math.prod(axes[d] if d.__class__ is str else d for d in spec.shape)
+        outputs += size
+        if spec.name == "attention_weights":
+            weights = size
+    cost = answer(sum(a.size for a in feed.values()), outputs, weights)
+    return axes, axes["batch"], n_q, n_k, (features, bucket(n_q), bucket(n_k)), cost
 
 
 def _heads(model: LoadedModel) -> int:

@@ -4,7 +4,8 @@
                           then stopped, what is queued finished first
     ready, check_ready()  readiness (off at SIGTERM: `stop_accepting`); `serving` stays on while draining
     admit() ... release() one request's admission (readiness, the API key) and accounting (in flight,
-                          the request metrics by model and status, 499 for a client that went away)
+                          its cost in memory against the budget, the request metrics by model and
+                          status, 499 for a client that went away)
     deadline()            when a request must be answered (ATTEND_REQUEST_TIMEOUT_S, or the client's
                           shorter X-Request-Timeout-Ms); `within(until)` bounds the body's read and decode
     decode_async()        a codec's decode, on the event loop for small bodies, on a decode thread otherwise
@@ -28,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
 from service.core.control import ModelControl
+from service.core.cost import Budget, Cost
 from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, ServiceError, Unauthorized
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
@@ -47,6 +49,7 @@ class CoreSettings(Protocol):
     warmup: bool
     skip_broken_models: bool
     inline_decode_bytes: int
+    max_inflight_bytes: int
     request_timeout_s: float
     keep_versions: int
     grace_period_s: float
@@ -124,6 +127,7 @@ class Dataplane:
         self.api_keys = settings.api_key_list()
         self.request_timeout_s = settings.request_timeout_s
         self.inline_decode_bytes = settings.inline_decode_bytes
+        self.budget = Budget(settings.max_inflight_bytes)  # what the requests in flight may cost together
         self.registry: Registry = registry  # type: ignore[assignment]  # loaded by open() unless given
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # made by open()
         self.control: ModelControl = None  # type: ignore[assignment]
@@ -251,31 +255,46 @@ class Dataplane:
         and its decode waits for a thread (past the deadline: 504, and the decode is never started)."""
         return _Within(self.loop, until, what)
 
-    async def decode_async(self, deadline: float, decode: Callable[..., T], *args: Any) -> T:
-        """`decode(*args)` (a codec's; its last argument the body), on the event loop for small bodies
-        (a thread hop costs more than their parse), in a decode thread for large ones, never started
-        once the deadline has passed. The caller bounds the wait (`within`)."""
-        if len(args[-1]) <= self.inline_decode_bytes:
-            return decode(*args)
+    def cost(self) -> Cost:
+        """A request's share of the in-flight budget (service.core.cost): the transport holds its body's
+        bytes in it, the codec what its decode holds, `infer` its arrays and answer; `release` gives it
+        back."""
+        return Cost(self.budget)
 
-        def decode_unless_late() -> T:
+    async def in_thread(self, deadline: float, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on a decode thread, so that the event loop goes on meanwhile; never started once
+        the deadline has passed. The caller bounds the wait (`within`)."""
+
+        def unless_late() -> T:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
-            return decode(*args)
+            return work(*args)
 
-        future = self.loop.run_in_executor(self._decoder, decode_unless_late)
-        # However this ends, nobody may be left to read the decode's result: say it is read.
+        future = self.loop.run_in_executor(self._decoder, unless_late)
+        # However this ends, nobody may be left to read the result: say it is read.
         future.add_done_callback(_retrieved)
         try:
             return await future
         finally:
             if not future.done():
-                future.cancel()  # still queued: never decoded; decoding: its result is dropped
+                future.cancel()  # still queued: never started; under way: its result is dropped
 
-    async def infer(self, request: Request, deadline: float, encode: Encoder, is_disconnected: Any = None) -> Any:
-        """The encoded response for `request`, through the batching queue."""
-        return await self.scheduler.submit(Job(request, deadline, encode, is_disconnected),
-                                           alone=len(self.requests_in_progress) <= 1)
+    async def decode_async(self, deadline: float, decode: Callable[..., T], *args: Any) -> T:
+        """`decode(*args)` (a codec's; the body among its arguments), on the event loop for bodies of up
+        to ATTEND_INLINE_DECODE_BYTES (a thread hop costs more than their parse), in a decode thread for
+        larger ones."""
+        if len(args[-2]) <= self.inline_decode_bytes:  # (..., body, cost)
+            return decode(*args)
+        return await self.in_thread(deadline, decode, *args)
+
+    async def infer(self, request: Request, deadline: float, encode: Encoder, is_disconnected: Any = None,
+                    cost: Cost | None = None) -> Any:
+        """The encoded response for `request`, through the batching queue. Its arrays, run and answer are
+        held in `cost` first (the body's parse is over: what it held is not)."""
+        job = Job(request, deadline, encode, is_disconnected)
+        if cost is not None:
+            cost.hold(request.held + job.cost, "this request's answer")
+        return await self.scheduler.submit(job, alone=len(self.requests_in_progress) <= 1)
 
 
 def check_api_key(header: bytes | None, keys: tuple[bytes, ...]) -> None:

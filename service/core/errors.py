@@ -45,6 +45,12 @@ class InvalidJSON(ServiceError):
     status, code = 400, "invalid_json"
 
 
+class InvalidEncoding(ServiceError):
+    """A compressed body that does not inflate (Content-Encoding)."""
+
+    status, code = 400, "invalid_encoding"
+
+
 class InvalidHeader(ServiceError):
     status, code = 400, "invalid_header"
 

@@ -32,6 +32,7 @@ class Request:
     # What depends only on the body's layout, shared by the requests of one plan (see _Plan), for the
     # stages after the decode to keep what they work out from the shapes alone (service.core.batching.Job).
     memo: dict[str, Any] | None = None
+    held: int = 0  # bytes of the body its feed still reads (binary tensors read in place), for its cost
 
 
 SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})

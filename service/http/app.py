@@ -114,11 +114,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
     # The inference routes: endpoints ahead of FastAPI (their own request ID, access log and CORS
     # headers); the route of attend.router only documents /attend. RequestContext skips them.
-    origins = tuple(settings.cors_origin_list())
-    app.state.attend = InferenceEndpoint(dataplane, AttendCodec(), max_body_bytes=settings.max_body_bytes,
-                                         cors_origins=origins)
-    app.state.infer = InferenceEndpoint(dataplane, InferCodec(settings.max_body_bytes), parse_path,
-                                        settings.max_body_bytes, origins)
+    app.state.attend = InferenceEndpoint(dataplane, AttendCodec(), settings)
+    app.state.infer = InferenceEndpoint(dataplane, InferCodec(), settings, parse_path)
     app.inference = {"attend": app.state.attend, "v2": app.state.infer}
     app.include_router(attend.router)
     # Without keys there is nothing to check: no dependency at all on the request path.

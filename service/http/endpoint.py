@@ -11,6 +11,7 @@ run; `service.http.app.AttendApp` calls them before FastAPI's stack, with CORS o
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -18,9 +19,12 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.config import Settings
 from service.core.batching import Encoder
+from service.core.cost import Cost
 from service.core.dataplane import Dataplane
 from service.core.errors import ServiceError
+from service.core.inflate import Inflater, encoding_of
 from service.core.logs import log_access, new_request_id, request_id
 from service.core.request import Request
 from service.http.extensions import Headers, disconnect_probe, read_body, send_body
@@ -65,19 +69,20 @@ class InferenceEndpoint:
     request is bound here, not looked up on the app's state (a Starlette State attribute costs a
     Python-level __getattr__ each)."""
 
-    def __init__(self, dataplane: Dataplane, codec: Codec, target_of: Any = _attend_target, max_body_bytes: int = 0,
-                 cors_origins: tuple[str, ...] = ()):
+    def __init__(self, dataplane: Dataplane, codec: Codec, settings: Settings, target_of: Any = _attend_target):
         self.dataplane = dataplane
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = settings.max_body_bytes
+        self.max_inflate_ratio = settings.max_inflate_ratio
         self.codec = codec
         self.target_of = target_of  # the route's (model, version) from the path
         # The codec's methods, bound once: each is called on every request.
         self.check_media_type = codec.check_media_type
+        self.expected = codec.expected
         self.aligned_at = codec.aligned_at
         self.decode = codec.decode
         self.response = codec.response
         self.error_body = codec.error_body
-        origins = cors_origins
+        origins = settings.cors_origin_list()
         self.cors_all = "*" in origins
         self.cors = frozenset(o.encode("latin-1") for o in origins)
 
@@ -122,14 +127,31 @@ class InferenceEndpoint:
         return error.status
 
     async def _read_and_decode(self, scope: Scope, target: Target, headers: dict[bytes, bytes], receive: Receive,
-                               until: float) -> tuple[Request, Encoder]:
-        """The body, read and decoded, within the request's deadline."""
+                               until: float, cost: Cost) -> tuple[Request, Encoder]:
+        """The body, read (inflated where compressed) and decoded, within the request's deadline, each
+        stage's bytes held in `cost` before it makes them."""
         dataplane = self.dataplane
         with dataplane.within(until):
-            aligned_at = self.aligned_at(headers)
+            encoding = encoding_of(headers.get(b"content-encoding"))
+            aligned_at = self.aligned_at(headers) if encoding is None else None
             claim = None if aligned_at is None else (scope.get("extensions") or {}).get("attend.body")
-            body = await read_body(receive, headers, self.max_body_bytes, claim, aligned_at or 0)
-            return await dataplane.decode_async(until, self.decode, dataplane, target, headers, body)
+            expected = functools.partial(self.expected, headers) if encoding is None else None
+            body = await read_body(receive, headers, self.max_body_bytes, claim, aligned_at or 0, cost, expected)
+            if encoding is not None:
+                body = await self._inflate(body, encoding, cost, until)
+            # The body alone (its pieces joined, a compressed one dropped), and what its decode will hold.
+            cost.base = len(body)
+            cost.hold(cost.base + self.expected(headers, cost.base), "this body")
+            return await dataplane.decode_async(until, self.decode, dataplane, target, headers, body, cost)
+
+    async def _inflate(self, body: bytes, encoding: str, cost: Cost, until: float) -> bytes:
+        """The body inflated: on the event loop up to ATTEND_INLINE_DECODE_BYTES of it (the inflated size,
+        not the compressed one, decides), on a decode thread past that."""
+        dataplane = self.dataplane
+        inflater = Inflater(body, encoding, self.max_body_bytes, self.max_inflate_ratio, cost, len(body))
+        if not inflater.run(dataplane.inline_decode_bytes):
+            await dataplane.in_thread(until, inflater.run)
+        return inflater.body()
 
     async def _serve(self, scope: Scope, headers: dict[bytes, bytes], receive: Receive, send: Send,
                      extra: Headers, start: float) -> int:
@@ -144,19 +166,22 @@ class InferenceEndpoint:
             dataplane.failed("-", e)
             return await self.send_error(send, e, extra, hold, respond)
         model = "-"
+        cost = dataplane.cost()
         try:
             target = self.target_of(scope["path"])
             model = self.model_of(target)
             self.check_media_type(headers)
             until = dataplane.deadline(headers.get(b"x-request-timeout-ms"), extensions.get("attend.arrived"))
-            request, encode = await self._read_and_decode(scope, target, headers, receive, until)
+            request, encode = await self._read_and_decode(scope, target, headers, receive, until, cost)
             model = request.model.name
-            content = await dataplane.infer(request, until, encode, disconnect_probe(extensions, receive))
+            content = await dataplane.infer(request, until, encode, disconnect_probe(extensions, receive), cost)
         except ServiceError as e:
+            cost.release()
             if not dataplane.failed(e.model or model, e):
                 return 0
             return await self.send_error(send, e, extra, hold, respond)
         except Exception:
+            cost.release()
             log.exception("unhandled error on POST %s", _logged_path(scope)[:200])
             error = ServiceError("internal server error")
             dataplane.failed(model, error)
@@ -165,7 +190,10 @@ class InferenceEndpoint:
             dataplane.release()
         dataplane.answered(model, 200, time.perf_counter() - start)
         body, more, content_type = self.response(content)
-        await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
+        try:
+            await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)
+        finally:
+            cost.release()  # the answer is written (or handed to the socket's buffer)
         return 200
 
 

@@ -28,8 +28,8 @@ tests/service/test_layers.py checks that each exists in the installed uvicorn):
 
     uvicorn.protocols.http.httptools_impl: HttpToolsProtocol (its connection_made, data_received,
         on_message_begin, on_headers_complete, on_body, on_message_complete, on_response_complete,
-        connection_lost, and its fields cycle, connections, tasks, flow, pipeline, url, headers, scope,
-        app, config, loop, transport), HEADER_VALUE_RE, STATUS_LINE;
+        connection_lost, shutdown, and its fields cycle, connections, tasks, flow, pipeline, url, headers,
+        scope, app, config, loop, transport, parser), HEADER_VALUE_RE, STATUS_LINE;
     its RequestResponseCycle's fields: scope, flow, body, more_body, keep_alive, disconnected,
         response_started, response_complete, waiting_for_100_continue, chunked_encoding,
         expected_content_length, message_event, on_response, access_log, default_headers;
@@ -48,6 +48,7 @@ from typing import Any
 import anyio
 from starlette.types import Receive, Send
 
+from service.core.cost import Cost
 from service.core.errors import ClientGone, PayloadTooLarge
 
 JSON = b"application/json"
@@ -55,37 +56,49 @@ Headers = list[tuple[bytes, bytes]]
 
 
 async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, claim: Any = None,
-                    aligned_at: int = 0) -> Any:
-    """The body, refused with 413 as soon as it is known to be larger than `limit`. `claim`: the
-    server's way to have it written into one buffer as it comes ("attend.body", where it offers
-    that: service.http.protocol.BodySink), the byte at `aligned_at` 64-byte aligned; the body is then a
-    memoryview, not bytes."""
+                    aligned_at: int = 0, cost: Cost | None = None, expected: Any = None) -> Any:
+    """The body, refused with 413 as soon as it is known to be larger than `limit`, its bytes held in
+    `cost` before they are read (503 + Retry-After where the in-flight budget has no room for them; a
+    body of unknown length as it comes), with what its decode will hold at least (`expected(length)`).
+    `claim`: the server's way to have it written into one buffer as it comes ("attend.body", where it
+    offers that: service.http.protocol.BodySink), the byte at `aligned_at` 64-byte aligned; the body is
+    then a memoryview, not bytes."""
     length = headers.get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"the body has {int(length)} bytes; the limit is {limit}", expected=limit,
-                              received=int(length))
+    size = int(length) if length is not None and length.isdigit() else None
+    if size is not None and size > limit:
+        raise PayloadTooLarge(f"the body has {size} bytes; the limit is {limit} (ATTEND_MAX_BODY_BYTES)",
+                              expected=limit, received=size)
+    expect = expected or (lambda length: 0)
     if claim is not None:
+        if cost is not None:
+            cost.hold((size or 0) + expect(size or 0), "this body")
         body = await claim(aligned_at)
         if body is None:
             raise ClientGone("the client disconnected before sending its whole body")
         return body
+    if cost is not None and size is not None:
+        cost.hold(2 * size + expect(size), "this body")  # the server's pieces of it, and their join
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone("the client disconnected before sending its body")
     body = message.get("body", b"")
     if not message.get("more_body"):
         if len(body) > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (ATTEND_MAX_BODY_BYTES)",
+                                  expected=limit)
         return body
-    chunks, size = [body], len(body)
+    chunks, received = [body], len(body)
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone("the client disconnected before sending its whole body")
         chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes", expected=limit)
+        received += len(chunk)
+        if received > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (ATTEND_MAX_BODY_BYTES)",
+                                  expected=limit)
+        if cost is not None and size is None:
+            cost.hold(2 * received + expect(received), "this body")
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)

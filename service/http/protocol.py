@@ -9,12 +9,15 @@ away with taken away (each limit an ATTEND_* setting, see service/config.py):
 - a body must keep coming: a connection whose body has not progressed for `body_timeout_s`, or whose
   average rate is under `min_body_rate` bytes/s after that long, gets a 408 and is closed;
 - requests in progress (not health probes) are bounded by `max_connections`, open connections by
-  `max_open_connections` (beyond: closed at once); the bytes of request bodies in flight by
-  `max_inflight_bytes`: a request that would exceed it gets 503 + Retry-After before a byte of its
-  body is read. Health probes are never refused for load, so an orchestrator does not restart a
-  busy service.
+  `max_open_connections` (beyond: refused at once). Health probes are never refused for load, so an
+  orchestrator does not restart a busy service. (What requests cost in memory is the core's budget:
+  service.core.cost.)
+- a response sent before the request's body is all in (a refusal: 413, 503, 401, ...) is followed by
+  a drain: the rest of the body is read and dropped, at most `drain_bytes` and `drain_s`, so that a
+  client that sends its whole body before reading reads the answer, instead of a reset (nginx's
+  lingering close); a connection to be closed is half-closed (FIN) meanwhile.
 
-Every refusal carries the service's one JSON error body (and Retry-After for overload).
+Every refusal carries the error body of the path's protocol (and Retry-After for overload).
 
 It also offers the inference endpoints two extensions of the ASGI scope: "attend.hold" (a response's
 head and body, or its parts, in one write: `CoalescingTransport`) and "attend.body" (a body with a
@@ -32,6 +35,7 @@ import time
 from collections import deque
 from typing import Any
 
+import httptools
 import numpy as np
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
@@ -60,19 +64,6 @@ def _refusal(error: ServiceError, path: bytes) -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-def _refusing_app(error: ServiceError):
-    """The same refusal as an ASGI app, for requests whose headers uvicorn has parsed already."""
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        body = error_body(scope["path"], error)
-        await send({"type": "http.response.start", "status": error.status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close"),
-            *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]})
-        await send({"type": "http.response.body", "body": body})
-
-    return app
-
-
 def _overloaded(message: str) -> Overloaded:
     return Overloaded(message, headers={"Retry-After": "1"})
 
@@ -87,12 +78,13 @@ class CoalescingTransport:
     writev() under uvloop, nothing copied). Everything else is the real transport's; closing flushes
     what is held."""
 
-    __slots__ = ("transport", "held", "holding")
+    __slots__ = ("transport", "held", "holding", "closing")
 
-    def __init__(self, transport: asyncio.Transport):
+    def __init__(self, transport: asyncio.Transport, closing: Any = None):
         self.transport = transport
         self.held: list[Any] | None = None
         self.holding = 0
+        self.closing = closing  # the protocol's say on a close: True defers it (a drain first)
 
     def hold_next(self, writes: int = 1) -> None:
         """Hold the next `writes` writes; the one after them takes them along."""
@@ -125,8 +117,10 @@ class CoalescingTransport:
     def is_closing(self) -> bool:
         return self.transport.is_closing()
 
-    def close(self) -> None:
+    def close(self, now: bool = False) -> None:
         self.flush()
+        if not now and self.closing is not None and self.closing():
+            return
         self.transport.close()
 
     def write_eof(self) -> None:
@@ -202,7 +196,6 @@ class Guard:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.inflight_bytes = 0
         self.protocols: set[GuardedProtocol] = set()
         self.busy = BusyConnections()
         self._sweeping: asyncio.TimerHandle | None = None
@@ -242,7 +235,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._headers_due = 0.0  # when the headers awaited must have come (loop time)
         self._body_check = 0.0  # when the body being received is next checked (0: none is)
         self._body_expected = False  # the request being parsed has a body (Content-Length or chunked)
-        self._reserved = 0  # body bytes of the current request counted in the budget
+        self._draining = False  # the rest of a refused request's body is being read and dropped
+        self._drain_left = 0  # bytes it may still take
+        self._drain_until = 0.0  # and until when (loop time)
+        self._close_after_drain = False
         self._body_bytes = 0
         self._body_started = 0.0
         self._body_progress = (0.0, 0)  # (time, bytes) of the last progress
@@ -253,9 +249,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = CoalescingTransport(transport)  # type: ignore[assignment]
+        self.transport = CoalescingTransport(transport, self._closing)  # type: ignore[assignment]
         if len(self.connections) > self.guard.settings.max_open_connections:
-            self._refuse(_overloaded("too many open connections; retry shortly"))
+            self._refuse(_overloaded("too many open connections; retry shortly"), drain=True)
             return
         self.guard.add(self)
         self._expect_headers()
@@ -266,11 +262,14 @@ class GuardedProtocol(HttpToolsProtocol):
         self._headers_due = self.loop.time() + self.guard.settings.header_timeout_s
 
     def check_deadlines(self, now: float) -> None:
-        """The guard's sweep: headers late, or a body to check."""
+        """The guard's sweep: headers late, a body to check, a drain over."""
         if self._awaiting_headers and now >= self._headers_due:
             self._headers_too_slow()
         elif self._body_check and now >= self._body_check:
             self._check_body(now)
+        elif self._draining and now >= self._drain_until:
+            self._draining = False
+            self.transport.close(now=True)  # type: ignore[call-arg]
 
     def _headers_too_slow(self) -> None:
         self._awaiting_headers = False
@@ -282,15 +281,69 @@ class GuardedProtocol(HttpToolsProtocol):
             else:
                 self.transport.close()
 
-    def _refuse(self, error: ServiceError) -> None:
+    def _refuse(self, error: ServiceError, drain: bool = False) -> None:
+        """Answer `error` (unless a response began) and close the connection; with `drain`, after
+        reading and dropping what the client is still sending of its request (bounded)."""
         self._awaiting_headers = False
         self._body_check = 0.0
         if not self.transport.is_closing():
-            if self.cycle is None or not self.cycle.response_started:
+            cycle = self.cycle  # the request's, or (before its headers are in) the previous one's
+            if cycle is None or cycle.response_complete or not cycle.response_started:
                 self.transport.write(_refusal(error, getattr(self, "url", None) or b""))
-            self.transport.close()
+            if drain and self._start_drain(close=True):
+                return
+            self.transport.close(now=True)  # type: ignore[call-arg]
+
+    # --- the drain
+
+    def _start_drain(self, close: bool) -> bool:
+        """Read and drop the rest of the request (its body) before going on: False where the settings
+        allow no drain. A connection to be closed is half-closed first: the client, done sending,
+        reads the answer and the end of it."""
+        settings = self.guard.settings
+        if not (settings.drain_bytes and settings.drain_s):
+            return False
+        self._draining = True
+        self._close_after_drain = close
+        self._drain_left = settings.drain_bytes
+        self._drain_until = self.loop.time() + settings.drain_s
+        self._awaiting_headers = False
+        self._body_check = 0.0
+        self._sink = None
+        if close:
+            self.transport.write_eof()
+        self.flow.resume_reading()
+        return True
+
+    def _drained(self) -> None:
+        self._draining = False
+        if self._close_after_drain:
+            self.transport.close(now=True)  # type: ignore[call-arg]
+        elif not self.transport.is_closing():
+            self._expect_headers()
+
+    def _closing(self) -> bool:
+        """The transport is asked to close (a response with Connection: close, or uvicorn's keep-alive
+        timer): True defers it to a drain, where the request's body is not all in."""
+        if self._draining:
+            return True  # the drain closes it
+        cycle = self.cycle
+        if cycle is None or not cycle.response_complete or not cycle.more_body or cycle.disconnected:
+            return False
+        return self._start_drain(close=True)
 
     def data_received(self, data: bytes) -> None:
+        if self._draining:
+            self._drain_left -= len(data)
+            try:
+                if self._drain_left >= 0:
+                    self.parser.feed_data(data)  # finds where the request ends (its body is dropped)
+                    return
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+                pass  # not HTTP: no answer to wait for
+            self._draining = False
+            self.transport.close(now=True)  # type: ignore[call-arg]
+            return
         if self._awaiting_headers:
             self._header_bytes += len(data)
             super().data_received(data)
@@ -309,6 +362,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False
+        if self._draining:  # a request on a connection refused already: dropped like its body
+            return
         refusal = self._admission()
         if refusal is None:
             super().on_headers_complete()
@@ -329,14 +384,8 @@ class GuardedProtocol(HttpToolsProtocol):
                 self._body_bytes = 0
                 self._body_check = self._body_started + self.guard.settings.body_timeout_s
             return
-        # Answered through uvicorn's cycle, by this refusal instead of the service: the body is never read.
-        app, self.app = self.app, _refusing_app(_overloaded(refusal))
-        try:
-            super().on_headers_complete()
-        finally:
-            self.app = app
-        if self.cycle is not None:
-            self.cycle.keep_alive = False
+        # Answered here, instead of by the service (no task, no cycle): the body is drained, not read.
+        self._refuse(_overloaded(refusal), drain=self._body_expected)
 
     def _respond(self, cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: Any) -> bool:
         """The "attend.respond" extension: a whole response (`body` bytes, or a list of parts sent
@@ -394,23 +443,11 @@ class GuardedProtocol(HttpToolsProtocol):
         settings = self.guard.settings
         if len(self.tasks) >= settings.max_connections:
             return f"{settings.max_connections} requests are in progress (ATTEND_MAX_CONNECTIONS); retry shortly"
-        size = self._body_length = int(length) if length is not None and length.isdigit() else 0
-        if size and size <= settings.max_body_bytes:  # larger ones get their 413 from the app, unread
-            if self.guard.inflight_bytes and self.guard.inflight_bytes + size > settings.max_inflight_bytes:
-                return (f"{self.guard.inflight_bytes} bytes of request bodies are in flight; this one's {size} would "
-                        f"pass ATTEND_MAX_INFLIGHT_BYTES ({settings.max_inflight_bytes}); retry shortly")
-            self._reserve(size)
+        size = int(length) if length is not None and length.isdigit() else 0
+        self._body_length = size if size <= settings.max_body_bytes else 0  # larger: 413 from the app, unread
         return None
 
     # --- bodies
-
-    def _reserve(self, size: int) -> None:
-        self._reserved += size
-        self.guard.inflight_bytes += size
-
-    def _release(self) -> None:
-        self.guard.inflight_bytes -= self._reserved
-        self._reserved = 0
 
     def _claim_body(self, cycle: Any, size: int, aligned_at: int = 0) -> asyncio.Future:
         """The "attend.body" extension: the whole body of `cycle`'s request (Content-Length `size`)
@@ -433,14 +470,9 @@ class GuardedProtocol(HttpToolsProtocol):
         return done
 
     def on_body(self, body: bytes) -> None:
+        if self._draining:
+            return  # dropped (counted in data_received)
         self._body_bytes += len(body)
-        if self._body_bytes > self._reserved:  # a chunked body: counted as it comes
-            settings = self.guard.settings
-            if self.guard.inflight_bytes + len(body) > settings.max_inflight_bytes:
-                self._refuse(_overloaded("request bodies in flight would pass ATTEND_MAX_INFLIGHT_BYTES "
-                                         f"({settings.max_inflight_bytes}); retry shortly"))
-                return
-            self._reserve(len(body))
         sink = self._sink
         if sink is not None:
             if not sink.done.done():
@@ -451,6 +483,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._body_check = 0.0
+        if self._draining:
+            self._drained()
+            return
         if self._sink is not None:
             self._sink.finish()
             self._sink = None
@@ -481,19 +516,31 @@ class GuardedProtocol(HttpToolsProtocol):
         log.info("closing a connection: %s", why)
         if self.cycle is not None and not self.cycle.response_started:
             self.transport.write(_refusal(RequestTimeout(why), self.url or b""))
-        self.transport.close()
+        self.transport.close(now=True)  # type: ignore[call-arg]
 
     def on_response_complete(self) -> None:
-        self._release()
         # A pipelined request whose headers are in already starts now (uvicorn's pipeline): what
         # comes next is its body, not headers to time and count.
         pipelined = bool(self.pipeline)
         super().on_response_complete()
-        if not self.transport.is_closing() and not pipelined:
+        if self._draining or self.transport.is_closing():
+            return
+        cycle = self.cycle  # the answered request's, or a pipelined one's that starts now
+        if cycle is not None and cycle.response_complete and cycle.more_body and not cycle.disconnected \
+                and self._start_drain(close=False):
+            return  # answered before its body was all in (a refusal): the rest is dropped, then the next request
+        if not pipelined:
             self._expect_headers()
 
+    def shutdown(self) -> None:
+        if self._draining:  # the server stops: no more waiting for a refused client's body
+            self._draining = False
+            self.transport.close(now=True)  # type: ignore[call-arg]
+            return
+        super().shutdown()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self._release()
+        self._draining = False
         self._awaiting_headers = False
         self._body_check = 0.0
         self.guard.protocols.discard(self)

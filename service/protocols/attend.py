@@ -31,6 +31,7 @@ import orjson
 import simdjson
 
 from service.core.batching import Encoder
+from service.core.cost import PRECISE_BODY_BYTES, Cost, json_counts, json_decode
 from service.core.errors import (
     _EXCERPT,
     InvalidJSON,
@@ -101,6 +102,24 @@ def _duplicate(keys: list[str]) -> None:
             seen.add(key)
 
 
+_SIMDJSON_SAYS = {
+    "BIGINT_ERROR": "an integer is beyond 64 bits (in a body over 1 MiB, write it as a float, e.g. 1e30)",
+    "NUMBER_ERROR": "a number cannot be read (NaN and Infinity are not JSON numbers, nor is one beyond a double's "
+                    "range)",
+    "UTF8_ERROR": "it is not UTF-8",
+    "UNCLOSED_STRING": "a string is not closed",
+    "STRING_ERROR": "a string has an invalid escape",
+}
+
+
+def large_not_json(error: Exception) -> InvalidJSON:
+    """Why simdjson refuses a body too large to be read again the slow way (which says where), in JSON's
+    words."""
+    code = str(error).split(":")[0]
+    why = _SIMDJSON_SAYS.get(code, "a comma, bracket, brace, colon or key is missing or superfluous")
+    return InvalidJSON(f"the request body is not valid JSON: {why}")
+
+
 def parse(body: bytes) -> dict[str, Any]:
     """The top-level object: values are simdjson proxies (arrays) or plain values. Raises InvalidJSON."""
     if not body:
@@ -108,7 +127,9 @@ def parse(body: bytes) -> dict[str, Any]:
     try:
         # A parser per body: it is cheap (~1 us) and its buffers, as large as the body, go with it.
         document = simdjson.Parser().parse(body)
-    except (ValueError, RuntimeError, UnicodeDecodeError):
+    except (ValueError, RuntimeError, UnicodeDecodeError) as e:
+        if len(body) > PRECISE_BODY_BYTES:  # the slow way holds every number as a Python object, twice
+            raise large_not_json(e) from None
         return _parse_slowly(body)
     if not isinstance(document, simdjson.Object):
         raise InvalidJSON(f"the request body must be a JSON object, got {json_type(document)}")
@@ -117,6 +138,8 @@ def parse(body: bytes) -> dict[str, Any]:
     try:
         return {key: document[key] for key in keys}
     except KeyError:  # simdjson cannot look up a key holding a NUL (\u0000) by name
+        if len(body) > PRECISE_BODY_BYTES:
+            raise InvalidJSON("a key of the request body holds a NUL character (\\u0000)") from None
         return _parse_slowly(body)
 
 
@@ -153,21 +176,40 @@ def _fast_array(node: Any) -> tuple[np.ndarray, int] | None:
             return None
         shape.append(len(probe))
         probe = probe[0]
-    level, brackets = [node], 1
     try:
-        for size in shape[1:]:
-            # Every row of this depth, and their lengths, in C loops (len() of a number raises;
-            # a string or an object among them is refused by as_buffer below).
-            level = list(chain.from_iterable(level))
-            if set(map(len, level)) != {size}:
-                return None
-            brackets += len(level)
+        below = _rows([node], tuple(shape))
+        if below is None:
+            return None
         flat = np.frombuffer(node.as_buffer(of_type="d"), dtype=np.float64)
     except (TypeError, ValueError, RuntimeError):  # a non-number somewhere
         return None
     if flat.size != math.prod(shape):
         return None
-    return flat.reshape(shape), brackets
+    return flat.reshape(shape), 1 + below
+
+
+_ROWS_AT_ONCE = 16 * 1024  # rows of a depth looked at together (their proxies in memory, the GIL held)
+
+
+def _rows(nodes: list[Any], shape: tuple[int, ...]) -> int | None:
+    """The number of JSON arrays below `nodes` (arrays of length shape[0] each), when every row of every
+    depth has its depth's length along the first path (`shape`); else None. Every row and its length in C
+    loops (len() of a number raises; a string or an object among them is refused by as_buffer), about
+    _ROWS_AT_ONCE rows at a time: a body of an array a number neither holds a proxy a number nor keeps the
+    event loop's thread from the GIL for the whole walk."""
+    if len(shape) == 1:
+        return 0
+    count = 0
+    step = max(1, _ROWS_AT_ONCE // shape[0])
+    for start in range(0, len(nodes), step):
+        rows = list(chain.from_iterable(nodes[start:start + step]))
+        if set(map(len, rows)) != {shape[1]}:
+            return None
+        below = _rows(rows, shape[1:])
+        if below is None:
+            return None
+        count += len(rows) + below
+    return count
 
 
 # Bodies up to this size get one structural check of the whole body instead of a walk of every row.
@@ -322,6 +364,13 @@ def _shape_of(value: Any, field: str, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _not_rectangular(field: str, what: str) -> InvalidShape:
+    """The error of a field the fast path cannot read, in a body too large for the precise one (which
+    would hold every number as a Python object to name the first that is wrong)."""
+    return InvalidShape(f"{field} must be {what}: a row of another length, an array nested too deep, or a value "
+                        "that is not a number is in it (bodies over 1 MiB are not searched for which)", field=field)
+
+
 def _precise_array(node: Any, field: str, what: str) -> np.ndarray:
     value = _as_python(node)
     shape = _shape_of(value, field, what)
@@ -341,10 +390,12 @@ class _Arrays:
     all_fast: bool = True
 
 
-def _array(node: Any, field: str, what: str, arrays: _Arrays) -> np.ndarray:
+def _array(node: Any, field: str, what: str, arrays: _Arrays, precise: bool = True) -> np.ndarray:
     fast = _fast_array(node)
     if fast is None:
         arrays.all_fast = False
+        if not precise:
+            raise _not_rectangular(field, what)
         return _precise_array(node, field, what)
     arr, brackets = fast
     arrays.brackets += brackets
@@ -372,10 +423,11 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
 
 
 def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEFAULT_LIMITS,
-           body: bytes | None = None, layout: bytes | None = None) -> Request:
+           body: bytes | None = None, layout: bytes | None = None, brackets: int | None = None) -> Request:
     """The request for `model` from the parsed body `data` (values simdjson proxies or plain).
     `layout`: a small body's `skeleton` (its one structural check; a body whose checks pass then
-    leaves its plan on the model, for the next body of the same layout)."""
+    leaves its plan on the model, for the next body of the same layout). `brackets`: the body's
+    count of '[', where the caller has it (service.core.cost.json_counts)."""
     return_weights = data.get("return_weights", True)
     if not isinstance(return_weights, bool):
         raise InvalidRequest(f"return_weights must be true or false, got {json_type(return_weights)}",
@@ -406,13 +458,20 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEF
     what = "an array of arrays of arrays of numbers (batch, n, features)"
     if model.kind == "masked_softmax":
         what = "an array of arrays of arrays of numbers (batch, n_q, n_k)"
+    precise = body is None or len(body) <= PRECISE_BODY_BYTES
     for field in ARRAY_FIELDS:
         if field in wanted:
-            arrays.values[field] = _array(data[field], field, what, arrays)
+            arrays.values[field] = _array(data[field], field, what, arrays, precise)
+    lens_what = "null or an array of integers (batch) or (batch, n_q)"
     if lens is not None:
-        lens = _array(lens, "valid_lens", "null or an array of integers (batch) or (batch, n_q)", arrays)
-    if body is not None and arrays.all_fast and _count_brackets(body) != arrays.brackets:
+        lens = _array(lens, "valid_lens", lens_what, arrays, precise)
+    if body is not None and arrays.all_fast and (_count_brackets(body) if brackets is None else brackets) \
+            != arrays.brackets:
         # An array nested where a number belongs (as_buffer flattened it): the precise path names it.
+        if not precise:
+            fields = [*arrays.values, *(["valid_lens"] if lens is not None else [])]
+            raise InvalidShape(f"an array is nested where a number belongs in {' or '.join(fields)} (bodies over "
+                               "1 MiB are not searched for which)", field=fields[0])
         for field in arrays.values:
             arrays.values[field] = _precise_array(data[field], field, what)
         if lens is not None:
@@ -420,9 +479,11 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEF
     return build_request(model, arrays.values, lens, return_weights, limits)
 
 
-def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS) -> Request:
+def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS,
+                brackets: int | None = None) -> Request:
     """POST /attend's body -> Request. Raises ServiceError subclasses for bad input, with `.model`
-    set to the model's name once it is known (for the metrics' label)."""
+    set to the model's name once it is known (for the metrics' label). `brackets`: the body's count of
+    '[', where the caller has it."""
     data = parse(body)
     model = resolve_model(data, registry)
     layout = None
@@ -434,7 +495,7 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
             if request is not None:
                 return request
     try:
-        return decode(data, model, limits, body, layout)
+        return decode(data, model, limits, body, layout, brackets)
     except ServiceError as e:
         e.model = model.name
         raise
@@ -552,11 +613,16 @@ class AttendCodec:
             raise UnsupportedMediaType(f"Content-Type must be application/json, got {media[:100]}",
                                        expected="application/json", received=media[:100])
 
+    def expected(self, headers: Headers, length: int) -> int:
+        return json_decode(length, 0, 0)
+
     def aligned_at(self, headers: Headers) -> None:
         return None
 
-    def decode(self, core: Any, target: Target, headers: Headers, body: bytes) -> tuple[Request, Encoder]:
-        return decode_body(body, core.registry, core.limits), encode_attend
+    def decode(self, core: Any, target: Target, headers: Headers, body: bytes, cost: Cost) -> tuple[Request, Encoder]:
+        commas, brackets = json_counts(body)
+        cost.decoding(json_decode(len(body), commas, brackets))
+        return decode_body(body, core.registry, core.limits, brackets), encode_attend
 
     def response(self, content: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
         return content, [], JSON

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from service.core.batching import Encoder
+from service.core.cost import Cost
 from service.core.errors import ServiceError
 from service.core.request import Request
 
@@ -28,14 +29,19 @@ class Codec(Protocol):
     def check_media_type(self, headers: Headers) -> None:
         """Raise UnsupportedMediaType for a body this protocol does not read."""
 
+    def expected(self, headers: Headers, length: int) -> int:
+        """What decoding a body of `length` bytes will hold at least, from the headers alone (before the
+        body is read: service.core.cost)."""
+
     def aligned_at(self, headers: Headers) -> int | None:
         """Where a body that `decode` reads in place should be 64-byte aligned (None: it takes bytes)."""
 
-    def decode(self, core: Any, target: Target, headers: Headers, body: bytes | memoryview
+    def decode(self, core: Any, target: Target, headers: Headers, body: bytes | memoryview, cost: Cost
                ) -> tuple[Request, Encoder]:
         """The request and the encoder of its answer. `core` is the dataplane (its registry and
-        limits). Raises ServiceError subclasses, with `.model` set once the model is known. Runs on the
-        event loop or on a decode thread (the core decides by the body's size)."""
+        limits); what the decode holds is held in `cost` before it is made (service.core.cost's
+        formulas). Raises ServiceError subclasses, with `.model` set once the model is known. Runs on
+        the event loop or on a decode thread (the core decides by the body's size)."""
 
     def response(self, content: Any) -> tuple[bytes | list, list[tuple[bytes, bytes]], bytes]:
         """The encoder's result as (body or its parts, extra headers, content type)."""

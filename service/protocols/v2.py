@@ -13,7 +13,6 @@ configuration are here too (`metadata`, `config`): the routes of service.http.ro
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 from urllib.parse import unquote
 
@@ -22,10 +21,10 @@ import orjson
 import simdjson
 
 from service.core.batching import Encoder
+from service.core.cost import PRECISE_BODY_BYTES, Cost, binary_decode, json_counts, json_decode
 from service.core.errors import (
     InvalidJSON,
     ModelNotFound,
-    PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
     excerpt,
@@ -33,6 +32,7 @@ from service.core.errors import (
 )
 from service.core.request import Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
+from service.protocols.attend import large_not_json
 from service.protocols.codec import JSON, Headers, Target, media_type
 
 OCTETS = b"application/octet-stream"
@@ -104,23 +104,15 @@ def parse_path(path: str) -> tuple[str, str | None]:
     raise ModelNotFound(f"no such route: POST {excerpt(path)}")
 
 
-def _decompress(body: bytes, encoding: bytes | None, limit: int) -> bytes:
-    """The body as sent before `Content-Encoding` (gzip or deflate), never more than `limit` bytes."""
-    if encoding is None or encoding in (b"identity", b""):
-        return body
-    name = encoding.decode("latin-1").strip().lower()
-    if name not in ("gzip", "deflate"):
-        raise UnsupportedMediaType(f"Content-Encoding {excerpt(name)} is not supported; send gzip, deflate or none")
-    inflater = zlib.decompressobj(wbits=31 if name == "gzip" else 15)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise BadRequest(f"the body is not valid {name} data: {e}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise PayloadTooLarge(f"the decompressed body is over the limit of {limit} bytes", expected=limit)
-    if not inflater.eof:
-        raise BadRequest(f"the {name} body is truncated")
-    return out
+def _split(headers: Headers, body: bytes | memoryview) -> int:
+    """Where the JSON header ends and the binary tensors begin (Inference-Header-Content-Length)."""
+    header_length = headers.get(b"inference-header-content-length")
+    if header_length is None:
+        return len(body)
+    if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
+        raise BadRequest(f"Inference-Header-Content-Length must be between 1 and the body's {len(body)} "
+                         f"bytes, got {excerpt(header_length.decode('latin-1'))}")
+    return int(header_length)
 
 
 def _int(value: Any, what: str) -> int:
@@ -141,9 +133,10 @@ class _Reader:
     """The tensors of one inference request: the binary tail is handed out in the order of the
     inputs that declare a binary_data_size, each size checked against what is left."""
 
-    def __init__(self, binary: memoryview):
+    def __init__(self, binary: memoryview, cost: Cost | None = None):
         self.binary = binary
         self.offset = 0
+        self.cost = cost  # where what a tensor's cast or copy will hold is counted, before it is made
 
     def take(self, size: int, name: str) -> memoryview:
         if size > len(self.binary) - self.offset:
@@ -192,12 +185,20 @@ def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> 
                              f"takes {count * dtype.itemsize}")
         chunk = reader.take(size, name)
         array = np.frombuffer(chunk, dtype=dtype).reshape(shape)
-        if array.ctypes.data % dtype.itemsize:  # wherever the JSON header ended: ONNX Runtime wants it aligned
+        misaligned = bool(array.ctypes.data % dtype.itemsize)
+        if reader.cost is not None:
+            reader.cost.add(binary_decode(count, dtype.itemsize, dtype.kind == "f", misaligned), f"input {name}")
+        if misaligned:  # wherever the JSON header ended: ONNX Runtime wants it aligned
             array = array.copy()
         return name, array
     if "data" not in entry:
         raise BadRequest(f"input {name} has neither data nor a binary_data_size parameter")
     return name, _json_data(entry["data"], name, shape, dtype, count)
+
+
+def _plain(value: Any) -> Any:
+    return value.as_list() if isinstance(value, simdjson.Array) else value.as_dict() \
+        if isinstance(value, simdjson.Object) else value
 
 
 def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: int) -> np.ndarray:
@@ -269,8 +270,11 @@ class InferCodec:
     """POST /v2/models/{m}[/versions/{v}]/infer: JSON tensors or binary ones in, as asked out; errors
     in the protocol's `{"error": "<message>"}`."""
 
-    def __init__(self, max_body_bytes: int):
-        self.max_body_bytes = max_body_bytes  # what a compressed body may inflate to
+
+    def expected(self, headers: Headers, length: int) -> int:
+        header_length = headers.get(b"inference-header-content-length")
+        split = int(header_length) if header_length is not None and header_length.isdigit() else length
+        return json_decode(min(split, length), 0, 0)
 
     def aligned_at(self, headers: Headers) -> int:
         # The binary tensors start after the JSON header: read in place where they are aligned.
@@ -284,30 +288,28 @@ class InferCodec:
             raise UnsupportedMediaType(f"Content-Type must be application/json or application/octet-stream, "
                                        f"got {media[:100]}")
 
-    def decode(self, core: Any, target: Target, headers: Headers, body: bytes | memoryview
+    def decode(self, core: Any, target: Target, headers: Headers, body: bytes | memoryview, cost: Cost
                ) -> tuple[Request, Encoder]:
         model = find_model(core.registry, *target)
         try:
-            return self.decode_for(model, headers, body, core.limits)
+            split = _split(headers, body)
+            commas, brackets = json_counts(body[:split])
+            cost.decoding(json_decode(split, commas, brackets))  # its binary tensors: _tensor
+            return self.decode_for(model, headers, body, core.limits, cost)
         except ServiceError as e:
             e.model = model.name
             raise
 
-    def decode_for(self, model: LoadedModel, headers: Headers, body: bytes | memoryview, limits: RequestLimits
-                   ) -> tuple[Request, Encoder]:
-        """The request for `model` (resolved already) from the body."""
-        body = _decompress(body, headers.get(b"content-encoding"), self.max_body_bytes)
-        header_length = headers.get(b"inference-header-content-length")
-        if header_length is None:
-            split = len(body)
-        else:
-            if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
-                raise BadRequest(f"Inference-Header-Content-Length must be between 1 and the body's {len(body)} "
-                                 f"bytes, got {excerpt(header_length.decode('latin-1'))}")
-            split = int(header_length)
+    def decode_for(self, model: LoadedModel, headers: Headers, body: bytes | memoryview, limits: RequestLimits,
+                   cost: Cost | None = None) -> tuple[Request, Encoder]:
+        """The request for `model` (resolved already) from the body; its binary tensors' casts and copies
+        counted in `cost`."""
+        split = _split(headers, body)
         try:
             head = simdjson.Parser().parse(body[:split] if split < len(body) else body)
-        except (ValueError, RuntimeError, UnicodeDecodeError):
+        except (ValueError, RuntimeError, UnicodeDecodeError) as e:
+            if split > PRECISE_BODY_BYTES:  # the slow way holds every number as a Python object
+                raise BadRequest(large_not_json(e).message.replace("request body", "inference request")) from None
             try:
                 head = orjson.loads(body[:split])
             except orjson.JSONDecodeError as e:
@@ -324,11 +326,11 @@ class InferCodec:
         inputs = head.get("inputs")
         if not isinstance(inputs, simdjson.Array | list):
             raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
-        reader, seen, tensors = _Reader(memoryview(body)[split:]), set(), {}
+        reader, seen, tensors = _Reader(memoryview(body)[split:], cost), set(), {}
         for entry in inputs:
             if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
-                entry = {k: v if k == "data" else v.as_list() if isinstance(v, simdjson.Array)
-                         else v.as_dict() if isinstance(v, simdjson.Object) else v for k, v in entry.items()}
+                # By key: simdjson's items() would make the data a Python list too (a float object a number).
+                entry = {k: entry[k] if k == "data" else _plain(entry[k]) for k in entry.keys()}
             name, array = _tensor(entry, model, reader, seen)
             tensors[name] = array
         reader.done()
@@ -342,11 +344,13 @@ class InferCodec:
         lens = tensors.pop("valid_lens", None)
         try:
             request = build_request(model, tensors, lens, any(n == "attention_weights" for n, _ in wanted),
-                                      limits)
+                                    limits)
         except ServiceError as e:  # /attend's checks, said the protocol's way: which input
             if e.field in model.input_names and not e.message.startswith("input "):
                 e.message = f"input {e.field}: {e.message}"
             raise
+        if split < len(body):
+            request.held = len(body)  # binary tensors read in place: the body lives as long as they do
         return request, _encoder(model, wanted, request_id)
 
     def response(self, content: tuple[bytes | list, int | None]

@@ -1,13 +1,18 @@
-"""The memory one request can take: the service's peak resident memory (VmHWM) above its idle
-resident memory, for the largest body and the largest attention weights the default limits allow.
+"""What one request of each form costs in memory: the service's peak resident memory (VmHWM) above its
+idle resident memory, a fresh `python -m service` a form, beside what the service counts for it against
+ATTEND_MAX_INFLIGHT_BYTES (service.core.cost: the same stages, computed here in-process) and their ratio.
+Bodies from tests/load/bodies.py, of about --mib MiB before compression; the largest attention weights the
+limits allow as one more row. Default limits, but a budget large enough that nothing is refused for it.
 
-    python tests/load/membound.py
+    python tests/load/membound.py [--mib 24]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import types
 from pathlib import Path
 
 import httpx
@@ -17,6 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from service.config import Settings  # noqa: E402
+from service.core.batching import Job  # noqa: E402
+from service.core.cost import Budget, Cost  # noqa: E402
+from service.core.errors import ServiceError  # noqa: E402
+from service.core.inflate import Inflater, encoding_of  # noqa: E402
+from service.core.runtime import Registry  # noqa: E402
+from service.protocols.attend import AttendCodec  # noqa: E402
+from service.protocols.v2 import InferCodec, parse_path  # noqa: E402
+from tests.load.bodies import ATTEND, Body, every_form  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
 
@@ -25,45 +38,62 @@ def status_mib(pid: int, field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def largest_body(limit: int) -> bytes:
-    """dot_product with one long feature axis: as many float32 numbers as fit under the limit."""
-    rng = np.random.default_rng(0)
-    n = 4096
-    batch = 1
-    while True:  # grow the batch while the body stays under the limit (about 20 bytes per number)
-        body = {"model": "dot_product", "queries": rng.normal(size=(batch, 1, n)).astype(np.float32).tolist(),
-                "keys": rng.normal(size=(batch, 1, n)).astype(np.float32).tolist(),
-                "values": rng.normal(size=(batch, 1, 1)).tolist()}
-        if batch * 2 * n * 20 * 2 > limit:
-            return json.dumps(body).encode()
-        batch *= 2
-
-
-def largest_weights(elements: int) -> bytes:
+def largest_weights(elements: int) -> Body:
     n = 1024
     batch = max(1, elements // (n * n))
     rng = np.random.default_rng(0)
-    return json.dumps({"model": "dot_product", "queries": rng.normal(size=(batch, n, 1)).round(3).tolist(),
-                       "keys": rng.normal(size=(batch, n, 1)).round(3).tolist(),
-                       "values": rng.normal(size=(batch, n, 1)).round(3).tolist()}).encode()
+    content = json.dumps({"model": "dot_product", "queries": rng.normal(size=(batch, n, 1)).round(3).tolist(),
+                          "keys": rng.normal(size=(batch, n, 1)).round(3).tolist(),
+                          "values": rng.normal(size=(batch, n, 1)).round(3).tolist()}).encode()
+    return Body("the largest attention weights (JSON answer)", ATTEND, content, {"content-type": "application/json"})
+
+
+def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, str]:
+    """The most the service holds for `body` in its budget (as service.http.endpoint and service.core
+    count it, stage by stage), and how far it got ("ok", or the error's code)."""
+    cost = Cost(Budget(1 << 50))
+    headers = {k.encode(): v.encode() for k, v in body.headers.items()}
+    core = types.SimpleNamespace(registry=registry, limits=settings.request_limits())
+    try:
+        content: bytes = body.content
+        cost.hold(2 * len(content))  # received in pieces and joined (no aligned buffer for /attend)
+        encoding = encoding_of(headers.get(b"content-encoding"))
+        if encoding is not None:
+            inflater = Inflater(content, encoding, settings.max_body_bytes, settings.max_inflate_ratio, cost,
+                                len(content))
+            inflater.run()
+            content = inflater.body()
+        cost.base = len(content)
+        if body.path == ATTEND:
+            request, _ = AttendCodec().decode(core, (None, None), headers, content, cost)
+        else:
+            request, _ = InferCodec().decode(core, parse_path(body.path), headers, content, cost)
+        cost.hold(request.held + Job(request, 0.0).cost)
+        return cost.peak, "ok"
+    except ServiceError as e:
+        return cost.peak, e.code
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=float, default=24.0, help="bodies of about this size before compression")
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    args = parser.parse_args()
     settings = Settings()
-    cases = {"largest body": largest_body(settings.max_body_bytes),
-             "largest attention weights": largest_weights(settings.max_weight_elements)}
-    print("| request | body MiB | response MiB | idle RSS MiB | peak RSS MiB | peak - idle |")
+    registry = Registry.load(args.repository, "cpu", 1)
+    bodies = every_form(int(args.mib * 2**20)) + [largest_weights(settings.max_weight_elements)]
+    print("| form | on the wire MiB | status | counted MiB | peak - idle MiB | peak / counted |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, body in cases.items():
-        with running_service(ROOT / "model_repository", ATTEND_LOG_LEVEL="warning",
-                             ATTEND_INTRA_OP_THREADS="1") as (url, proc):
+    for body in bodies:
+        estimate, _ = counted(body, registry, settings)
+        with running_service(args.repository, ATTEND_LOG_LEVEL="warning", ATTEND_INTRA_OP_THREADS="1",
+                             ATTEND_MAX_INFLIGHT_BYTES=str(1 << 40)) as (url, proc):
             idle = status_mib(proc.pid, "VmRSS")
-            response = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"},
-                                  timeout=120)
-            assert response.status_code == 200, response.text[:300]
-            peak = status_mib(proc.pid, "VmHWM")
-            print(f"| {name} | {len(body) / 2**20:.1f} | {len(response.content) / 2**20:.1f} | {idle:.0f} | "
-                  f"{peak:.0f} | {peak - idle:.0f} |")
+            response = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers, timeout=300)
+            peak = status_mib(proc.pid, "VmHWM") - idle
+        ratio = f"{peak / (estimate / 2**20):.2f}" if estimate else "-"
+        print(f"| {body.name} | {body.wire / 2**20:.1f} | {response.status_code} | {estimate / 2**20:.0f} | "
+              f"{peak:.0f} | {ratio} |", flush=True)
     return 0
 
 

@@ -175,7 +175,7 @@ def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference):
         jobs = [Job(r, 0.0) for r in requests]
         assert requests[0].memo["job sizes"] is not None
         for job, request in zip(jobs, requests, strict=True):
-            assert (job.axes, job.rows, job.n_q, job.n_k, job.key) == _sizes(request)
+            assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.cost) == _sizes(request)
             assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
         other = reference.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
         assert other.memo is not requests[0].memo
@@ -546,8 +546,8 @@ async def test_a_deadline_passing_while_the_decode_thread_is_busy_is_504_and_nev
         endpoint = app.state.attend
         decoded = []
         original = endpoint.decode
-        endpoint.decode = lambda core, target, headers, body: decoded.append(len(body)) or original(core, target,
-                                                                                                    headers, body)
+        endpoint.decode = lambda core, target, headers, body, cost: decoded.append(len(body)) or original(
+            core, target, headers, body, cost)
         release = threading.Event()
         app.state.dataplane._decoder.submit(release.wait)  # the one decode thread, busy
         body = json.dumps(toy_request()).encode()

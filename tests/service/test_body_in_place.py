@@ -17,7 +17,6 @@ import numpy as np
 import orjson
 import pytest
 
-from service.config import Settings
 from service.http.protocol import BodySink, GuardedProtocol
 from service.protocols.v2 import InferCodec
 from tests.server import running_service, uvicorn_in_thread
@@ -173,7 +172,7 @@ def test_binary_tensors_of_an_aligned_body_are_read_in_place(repository):
               for n in ("queries", "keys", "values")]
     head = json.dumps({"inputs": inputs}).encode()
     raw = head + x.tobytes() * 3
-    codec = InferCodec(Settings().max_body_bytes)
+    codec = InferCodec()
     model = Registry.load(repository, "cpu", 1).get("dot_product")
     headers = {b"inference-header-content-length": str(len(head)).encode()}
     import asyncio

@@ -106,7 +106,7 @@ def test_the_checks_see_a_violation(tmp_path):
 # The uvicorn internals the transport touches (service/http/extensions.py lists them): each must exist in
 # the installed uvicorn, which pyproject.toml bounds to the versions this suite runs with.
 _PROTOCOL_FIELDS = ("cycle", "connections", "tasks", "flow", "pipeline", "url", "headers", "scope", "app", "config",
-                    "loop", "transport")
+                    "loop", "transport", "parser")
 _CYCLE_FIELDS = ("scope", "flow", "body", "more_body", "keep_alive", "disconnected", "response_started",
                  "response_complete", "waiting_for_100_continue", "chunked_encoding", "expected_content_length",
                  "message_event", "on_response", "access_log", "default_headers")
@@ -128,7 +128,7 @@ def test_the_uvicorn_internals_the_transport_touches_are_there():
 
     protocol, cycle = httptools_impl.HttpToolsProtocol, httptools_impl.RequestResponseCycle
     for name in ("connection_made", "data_received", "on_message_begin", "on_headers_complete", "on_body",
-                 "on_message_complete", "on_response_complete", "connection_lost"):
+                 "on_message_complete", "on_response_complete", "connection_lost", "shutdown"):
         assert callable(getattr(protocol, name)), name
     assert set(_PROTOCOL_FIELDS) <= _assigned(protocol), set(_PROTOCOL_FIELDS) - _assigned(protocol)
     assert set(_CYCLE_FIELDS) <= _assigned(cycle), set(_CYCLE_FIELDS) - _assigned(cycle)

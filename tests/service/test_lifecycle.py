@@ -108,8 +108,9 @@ def test_sigterm_under_load_drops_no_request_in_flight(repository):
                        "keys": rng.normal(size=(8, 256, 64)).tolist(),
                        "values": rng.normal(size=(8, 256, 64)).tolist()})
     results: list = []
+    # A budget for all twelve at once (each ~70 MB to serve): this is about the stop, not the budget.
     with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_INFERENCE_THREADS="1",
-                         ATTEND_GRACE_PERIOD_S="60") as (url, proc):
+                         ATTEND_GRACE_PERIOD_S="60", ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, proc):
         def send():
             try:
                 r = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"},

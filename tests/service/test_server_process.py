@@ -162,7 +162,8 @@ def test_a_client_gone_while_queued_is_dropped_unrun_over_real_http(repository):
     connection closed once it is queued."""
     body, headers = _binary_infer(32, 1024, 64)  # ~0.3 s a run on one thread
     with running_service(repository, ATTEND_INFERENCE_THREADS="1", ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 * 1024 * 1024)) as (url, _):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 * 1024 * 1024),
+                         ATTEND_MAX_INFLIGHT_BYTES=str(16 << 30)) as (url, _):  # each costs ~1.3 GB
         infer = f"{url}/v2/models/dot_product/infer"
         long_runs = []
 

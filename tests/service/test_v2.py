@@ -309,11 +309,18 @@ def test_bad_protocol_input(http, case):
 
 
 def test_gzip_bomb_is_bounded(repository):
-    """Compressed bodies are inflated at most to ATTEND_MAX_BODY_BYTES."""
-    bomb = gzip.compress(b'{"inputs": [' + b" " * (8 * 1024 * 1024) + b"]}")
+    """Compressed bodies are refused as soon as they inflate past ATTEND_MAX_INFLATE_RATIO times their
+    bytes, and are inflated at most to ATTEND_MAX_BODY_BYTES."""
+    bomb = gzip.compress(b'{"inputs": [' + b" " * (8 * 1024 * 1024) + b"]}")  # ~1000 times
     with running_service(repository, ATTEND_MAX_BODY_BYTES=str(1024 * 1024)) as (url, _):
         response = httpx.post(f"{url}/v2/models/additive/infer", content=bomb, headers={"Content-Encoding": "gzip"})
-    assert response.status_code == 413 and "decompressed body is over the limit" in response.json()["error"]
+        assert response.status_code == 413
+        assert response.json()["error"].startswith("the body inflates more than 100 times (ATTEND_MAX_INFLATE_RATIO)")
+    with running_service(repository, ATTEND_MAX_BODY_BYTES=str(1024 * 1024),
+                         ATTEND_MAX_INFLATE_RATIO="5000") as (url, _):
+        response = httpx.post(f"{url}/v2/models/additive/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+        assert response.status_code == 413
+        assert response.json()["error"].startswith("the decompressed body is over the limit of 1048576 bytes")
 
 
 def test_errors_and_routes_of_the_protocol(http):

@@ -39,7 +39,8 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
     log_path = tmp_path / "service.log"
     n = 120
     with running_service(repository, log_path=log_path, ATTEND_WORKERS="2", ATTEND_LOG_LEVEL="info",
-                         ATTEND_INTRA_OP_THREADS="1", ATTEND_GRACE_PERIOD_S="60") as (url, proc):
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_GRACE_PERIOD_S="60",
+                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, proc):  # 12 requests of ~70 MB at once
         # Both workers up (the supervisor starts them one after the other).
         deadline = time.monotonic() + 60
         while len(worker_pids(url)) < 2 and time.monotonic() < deadline:

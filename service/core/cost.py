@@ -1,0 +1,149 @@
+"""What a request costs in memory, known (or bounded from above) before anything is materialized, and
+the budget of what the requests in flight may cost together (ATTEND_MAX_INFLIGHT_BYTES).
+
+One place computes it, for every form a body can take; a transport and a codec only say which form
+theirs is. A request's reservation grows and shrinks with it (`Cost.hold`), stage by stage:
+
+    the body as it arrives      its bytes (twice, where the server hands it over in pieces to be joined),
+                                and what its decode will hold at least (the codec says, from the headers):
+                                a request is let in only where most of what it will cost fits
+    inflated (gzip, deflate)    the compressed bytes, and twice the inflated ones while they are joined
+    decoded: JSON               the body, what parsing holds (simdjson's tape and indexes, the doubles, the
+                                float32 arrays, a proxy a JSON array), bounded from the body's count of
+                                ',' and '[': every number is followed by a ',' or closes an array
+    decoded: binary tensors     the body (read in place), and an aligned copy or a float32 cast of each
+                                tensor where it needs one
+    run and answered            the inputs, the outputs, ONNX Runtime's intermediates of the attention
+                                weights, and the encoded answer
+
+The constants are measured (peak resident memory of a decode or a run, over a sweep of sizes and forms:
+`python tests/load/membound.py`, docs/reliability.md), with room above each.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from service.core.errors import Overloaded, PayloadTooLarge
+
+# Bodies up to this size may be read the slow and precise ways (Python objects: the error of a client
+# named element by element, integers beyond 64 bits); larger ones never are (service.protocols.attend).
+PRECISE_BODY_BYTES = 1 << 20
+# Bytes a number of a JSON body costs while it is decoded: simdjson's tape (16) and structural indexes
+# (~8), its double (8), its float32 (4), their joins (8); measured 34-38 (docs/reliability.md).
+_PER_NUMBER = 44
+# ... where the precise way may hold it as Python objects (a float, a list slot, twice: orjson's and the
+# standard library's duplicate-key check).
+_PER_NUMBER_PRECISE = 100
+# ... a JSON array: a simdjson proxy a row while the rows' lengths are checked (measured 45-48).
+_PER_ARRAY = 56
+# The body's own bytes again while simdjson parses it: its padded copy (1), and where strings are, the
+# buffer it writes them into (5/3 a byte of the body) and the Python strings made of them.
+_PER_BODY_BYTE = 4
+# An output number: float32 (4) and its JSON (up to ~16: -1.2345678e-05,); the attention weights also ONNX
+# Runtime's intermediates (the scores and their masked copies; the largest weights the limits allow
+# measured ~31 bytes a weight in all).
+_PER_OUTPUT = 20
+_PER_WEIGHT = 20
+_SCAN_CHUNK = 1 << 20
+
+
+def json_counts(body: bytes | memoryview) -> tuple[int, int]:
+    """(commas, opening brackets) of a JSON body, counted in NumPy's vector loops a megabyte at a time
+    (~0.12 ms a MB each): together they bound its numbers and arrays."""
+    view = np.frombuffer(body, dtype=np.uint8)
+    commas = brackets = 0
+    for start in range(0, view.size, _SCAN_CHUNK):
+        chunk = view[start:start + _SCAN_CHUNK]
+        commas += int(np.count_nonzero(chunk == 44))  # ,
+        brackets += int(np.count_nonzero(chunk == 91))  # [
+    return commas, brackets
+
+
+def json_decode(size: int, commas: int, brackets: int) -> int:
+    """What decoding a JSON body of `size` bytes holds at most, the body itself not counted."""
+    numbers = commas + brackets
+    per_number = _PER_NUMBER_PRECISE if size <= PRECISE_BODY_BYTES else _PER_NUMBER
+    return _PER_BODY_BYTE * size + per_number * numbers + _PER_ARRAY * brackets
+
+
+def binary_decode(count: int, itemsize: int, floating: bool, misaligned: bool) -> int:
+    """What a binary tensor of `count` numbers read in place holds besides the body: an aligned copy where
+    it is not, a float32 cast of another float type (FP16 doubles), the finiteness check's mask."""
+    size = count * itemsize if misaligned else 0
+    if floating:
+        size += count * (4 if itemsize != 4 else 0) + count
+    return size
+
+
+def answer(inputs: int, outputs: int, weights: int) -> int:
+    """A decoded request's arrays (`inputs` float32 numbers) and its run and answer: `outputs` numbers
+    out, `weights` of them the attention weights."""
+    return 4 * inputs + _PER_OUTPUT * outputs + _PER_WEIGHT * weights
+
+
+class Budget:
+    """The bytes that the requests in flight may cost together (ATTEND_MAX_INFLIGHT_BYTES), per process.
+    Taken and given from the event loop and from decode threads."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        with self._lock:
+            if self.used + size > self.limit:
+                return False
+            self.used += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
+
+class Cost:
+    """One request's share of the budget, as it grows and shrinks stage by stage."""
+
+    __slots__ = ("budget", "held", "peak", "base")
+
+    def __init__(self, budget: Budget):
+        self.budget = budget
+        self.held = 0
+        self.peak = 0  # the most it held
+        self.base = 0  # the body's bytes, once it is in (what a decode's cost comes on top of)
+
+    def hold(self, total: int, what: str = "this request") -> None:
+        """The request costs `total` bytes from now on. More than the whole budget: 413; more than what
+        is left of it: 503 + Retry-After (the others finish first). Nothing is held then."""
+        extra = total - self.held
+        if extra > 0:
+            budget = self.budget
+            if total > budget.limit:
+                raise PayloadTooLarge(f"{what} would take {total} bytes of memory to serve, over this service's "
+                                      f"limit of {budget.limit} (ATTEND_MAX_INFLIGHT_BYTES)",
+                                      expected=f"<= {budget.limit}", received=total)
+            if not budget.take(extra):
+                raise Overloaded(f"requests in flight hold {budget.used} of {budget.limit} bytes "
+                                 f"(ATTEND_MAX_INFLIGHT_BYTES); {what} needs {extra} more; retry shortly",
+                                 headers={"Retry-After": "1"})
+        elif extra < 0:
+            self.budget.give(-extra)
+        self.held = total
+        if total > self.peak:
+            self.peak = total
+
+    def add(self, extra: int, what: str = "this request") -> None:
+        self.hold(self.held + extra, what)
+
+    def decoding(self, size: int, what: str = "decoding this body") -> None:
+        """The body and what its decode holds (`size`), in place of what was expected of it."""
+        self.hold(self.base + size, what)
+
+    def release(self) -> None:
+        if self.held:
+            self.budget.give(self.held)
+            self.held = 0

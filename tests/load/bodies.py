@@ -1,0 +1,144 @@
+"""Worst-case request bodies, one a form a body can take, for each protocol: what a hostile (or careless)
+client can send within the body limit. tests/service/test_bounded.py sends them to the real process
+(statuses, the event loop's gaps, memory); tests/load/membound.py measures what each costs.
+
+Each generator takes a size in bytes (the body's, before compression) and returns a `Body`: the bytes on
+the wire, the path, the headers, and the statuses the service may answer it with.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ATTEND = "/attend"
+INFER = "/v2/models/dot_product/infer"
+
+
+@dataclass
+class Body:
+    name: str
+    path: str
+    content: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    statuses: tuple[int, ...] = (200,)  # what the service may answer (with default limits, alone)
+
+    @property
+    def wire(self) -> int:
+        return len(self.content)
+
+
+def _rows(n_rows: int, row: str) -> str:
+    return "[" + ",".join([row] * n_rows) + "]"
+
+
+# Shapes within the default limits (batch <= 1024; batch x n_q x n_k <= 4M weights), so that a large body
+# is decoded and run whole: batch items of 32 x 256, as many as the size allows.
+N, D = 32, 256
+
+
+def _batch(size: int, bytes_per_number: float) -> int:
+    return max(1, min(1024, int(size / (3 * N * D * bytes_per_number))))
+
+
+def _attend(queries: str, keys: str, values: str) -> bytes:
+    return f'{{"model":"dot_product","queries":{queries},"keys":{keys},"values":{values}}}'.encode()
+
+
+def json_long(size: int) -> Body:
+    """Long decimals (json.dumps of float32 tensors, ~20 bytes a number): what clients usually send."""
+    rng = np.random.default_rng(0)
+    a = json.dumps(rng.normal(size=(_batch(size, 20), N, D)).astype(np.float32).tolist())
+    return Body("JSON, long decimals", ATTEND, _attend(a, a, a), {"content-type": "application/json"}, (200, 413))
+
+
+def json_dense(size: int) -> Body:
+    """As many numbers as bytes allow: '0,' (2 bytes a number)."""
+    arr = _rows(_batch(size, 2), _rows(N, "[" + ",".join(["0"] * D) + "]"))
+    return Body("JSON, dense ('0,0,...')", ATTEND, _attend(arr, arr, arr), {"content-type": "application/json"},
+                (200, 413))
+
+
+def json_arrays(size: int) -> Body:
+    """An array a number ('[0],', 4 bytes a number): the most JSON arrays a body can hold."""
+    per_row = 1000
+    one = _rows(per_row, "[0]")
+    batch = max(1, min(1024, size // (3 * 4 * per_row)))
+    arr = _rows(batch, one)
+    return Body("JSON, an array a number ('[[0],[0],...]')", ATTEND, _attend(arr, arr, arr),
+                {"content-type": "application/json"}, (200, 413))
+
+
+def json_nested(size: int) -> Body:
+    """Arrays nested as deep as the body allows ('[[[[...]]]]')."""
+    depth = max(1, size // 2)
+    return Body("JSON, nested arrays", ATTEND, b'{"queries":' + b"[" * depth + b"]" * depth + b"}",
+                {"content-type": "application/json"}, (400, 413, 422))
+
+
+def json_escaped(size: int) -> Body:
+    """One long string of escapes ('\\u0000' six bytes each) where the model's name belongs."""
+    count = max(1, size // 6)
+    return Body("JSON, a string of escapes", ATTEND, b'{"model":"' + b"\\u0000" * count + b'"}',
+                {"content-type": "application/json"}, (400, 404, 413, 422))
+
+
+def compressed(body: Body, encoding: str = "gzip") -> Body:
+    """`body` compressed (gzip or deflate): the same form, inflated by the service."""
+    content = gzip.compress(body.content, 6) if encoding == "gzip" else zlib.compress(body.content, 6)
+    return Body(f"{body.name}, {encoding}", body.path, content, body.headers | {"content-encoding": encoding},
+                tuple(sorted({*body.statuses, 413})))
+
+
+def v2_json_dense(size: int) -> Body:
+    """The Open Inference Protocol with JSON tensors, flat data of '0,' (2 bytes a number)."""
+    shape = [_batch(size, 2), N, D]
+    data = "[" + ",".join(["0"] * (shape[0] * N * D)) + "]"
+    inputs = ",".join(f'{{"name":"{name}","datatype":"FP32","shape":{json.dumps(shape)},"data":{data}}}'
+                      for name in ("queries", "keys", "values"))
+    return Body("OIP JSON, dense", INFER, f'{{"inputs":[{inputs}]}}'.encode(), {"content-type": "application/json"},
+                (200, 413))
+
+
+def _binary(shape: list[int], datatype: str, stated: int | None = None, extra: bytes = b"",
+            random: bool = False) -> tuple[bytes, dict]:
+    dtype = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64}[datatype]
+    tensor = (np.random.default_rng(0).normal(size=shape) if random else np.zeros(shape)).astype(dtype).tobytes()
+    size = len(tensor) if stated is None else stated
+    head = json.dumps({"inputs": [{"name": name, "datatype": datatype, "shape": shape,
+                                   "parameters": {"binary_data_size": size}}
+                                  for name in ("queries", "keys", "values")]}).encode()
+    return head + tensor * 3 + extra, {"inference-header-content-length": str(len(head)),
+                                       "content-type": "application/octet-stream"}
+
+
+def v2_binary(size: int, datatype: str = "FP32", random: bool = False) -> Body:
+    """Binary tensors (FP16 is cast to float32: twice its bytes); zeros, or `random` normal numbers."""
+    itemsize = {"FP32": 4, "FP16": 2, "FP64": 8}[datatype]
+    content, headers = _binary([_batch(size, itemsize), N, D], datatype, random=random)
+    return Body(f"OIP binary {datatype}", INFER, content, headers, (200, 413))
+
+
+def v2_binary_lying(size: int) -> Body:
+    """Binary tensors whose stated binary_data_size is far beyond the body."""
+    content, headers = _binary([_batch(size, 4), N, D], "FP32", stated=1 << 40)
+    return Body("OIP binary, sizes that lie", INFER, content, headers, (400,))
+
+
+def v2_header_lying(size: int) -> Body:
+    """An Inference-Header-Content-Length beyond the body."""
+    content, headers = _binary([_batch(size, 4), N, D], "FP32")
+    return Body("OIP binary, a header length that lies", INFER, content,
+                headers | {"inference-header-content-length": str(len(content) + 1)}, (400,))
+
+
+def every_form(size: int) -> list[Body]:
+    """One body of each form, about `size` bytes before compression."""
+    return [json_long(size), json_dense(size), json_arrays(size), json_nested(size), json_escaped(size),
+            compressed(json_long(size)), compressed(json_dense(size)), compressed(json_dense(size), "deflate"),
+            v2_json_dense(size), v2_binary(size), v2_binary(size, "FP16"), compressed(v2_binary(size)),
+            v2_binary_lying(size), v2_header_lying(size)]

@@ -1,0 +1,239 @@
+"""A request is measured by what it costs, not by its bytes on the wire: worst-case bodies of every form
+(tests/load/bodies.py: long decimals, dense JSON, an array a number, nesting, escapes, gzip and deflate of
+them, the Open Inference Protocol's JSON and binary tensors, sizes that lie), several at once against the
+real process, while another process asks /health/live every 10 ms. Each gets one of its statuses, the event
+loop never goes 250 ms without answering, and the process stays under its documented bound (idle + 1.5 x
+ATTEND_MAX_INFLIGHT_BYTES). Refusals made before a body is all in are followed by a drain, so that
+requests, httpx and curl each read them. `python tests/load/bounded.py` is the load-sized version."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.load.bodies import ATTEND, INFER, Body, compressed, every_form, json_dense, json_long, v2_binary
+from tests.server import running_service
+from tests.service.test_overload import rss_mb, sampling_rss
+
+pytestmark = pytest.mark.slow
+
+# Polls GET /health/live every 10 ms on one kept-alive connection and prints the longest wait between two
+# answers (ms) when its stdin closes.
+_POLLER = r"""
+import http.client, sys, threading, time
+host, port = sys.argv[1], int(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+conn = http.client.HTTPConnection(host, port, timeout=10)
+last, longest, answers = time.monotonic(), 0.0, 0
+while not stop.is_set():
+    conn.request("GET", "/health/live")
+    response = conn.getresponse(); response.read()
+    assert response.status == 200, response.status
+    now = time.monotonic(); longest = max(longest, now - last); last = now; answers += 1
+    time.sleep(0.01)
+print(f"{1e3 * longest:.1f} {answers}")
+"""
+
+
+class HealthPoller:
+    """A process of its own asking /health/live every 10 ms (none of this test's threads hold its GIL)."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("http://").split(":")
+        self.proc = subprocess.Popen([sys.executable, "-c", _POLLER, host, port], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> tuple[float, int]:
+        """(the longest gap in ms, the answers)."""
+        out, _ = self.proc.communicate("", timeout=30)
+        assert self.proc.returncode == 0, out
+        gap, answers = out.split()
+        return float(gap), int(answers)
+
+
+def _send(url: str, body: Body) -> tuple[Body, int | str, dict]:
+    try:
+        response = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers, timeout=120)
+        return body, response.status_code, response.json()
+    except httpx.HTTPError as e:
+        return body, type(e).__name__, {}
+
+
+def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answering(repository):
+    budget_mib = 256  # the default
+    bodies = every_form(6 * 2**20) * 2
+    with running_service(repository) as (url, proc):
+        time.sleep(1)
+        idle = rss_mb(proc.pid)
+        poller = HealthPoller(url)
+        time.sleep(0.3)
+        with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda b: _send(url, b), bodies))
+        gap, answers = poller.stop()
+        for body, status, answer in results:
+            assert status in (*body.statuses, 503), (body.name, status, answer)
+            if status != 200:
+                assert set(answer) == {"error"}, (body.name, answer)  # the protocol's error body, readable
+        assert answers > 20 and gap < 250, (gap, answers)
+        assert max(peak) - idle < 1.5 * budget_mib, (idle, max(peak))
+        assert httpx.get(f"{url}/health/ready").status_code == 200
+        ok = json_long(64 * 1024)
+        assert httpx.post(f"{url}{ok.path}", content=ok.content, headers=ok.headers).status_code == 200
+
+
+def test_a_compressed_body_is_measured_inflated(repository):
+    """The same dense body, plain and gzip'd (~400 times smaller on the wire): both refused for what they
+    would cost (413 naming the budget); the compressed one refused as it inflates, not once it is whole,
+    where it inflates past ATTEND_MAX_INFLATE_RATIO."""
+    dense = json_dense(24 * 2**20)
+    with running_service(repository, ATTEND_MAX_INFLATE_RATIO="1000") as (url, _):
+        for body in (dense, compressed(dense)):
+            _, status, answer = _send(url, body)
+            assert status == 413, (body.name, answer)
+            assert "ATTEND_MAX_INFLIGHT_BYTES" in answer["error"]["message"], answer
+    with running_service(repository) as (url, _):
+        _, status, answer = _send(url, compressed(dense))
+        assert status == 413 and "ATTEND_MAX_INFLATE_RATIO" in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("path", [ATTEND, INFER])
+def test_gzip_and_deflate_of_each_protocol_give_the_plain_answer(repository, path):
+    plain = json_long(8 * 1024) if path == ATTEND else v2_binary(64 * 1024, random=True)
+    with running_service(repository) as (url, _):
+        want = httpx.post(f"{url}{path}", content=plain.content, headers=plain.headers)
+        assert want.status_code == 200
+        for encoding in ("gzip", "deflate"):
+            body = compressed(plain, encoding)
+            got = httpx.post(f"{url}{path}", content=body.content, headers=body.headers)
+            assert got.status_code == 200 and got.content == want.content, (encoding, got.text[:200])
+        bad = httpx.post(f"{url}{path}", content=b"not gzip at all",
+                         headers=plain.headers | {"content-encoding": "gzip"})
+        assert bad.status_code == 400 and "not valid gzip data" in json.dumps(bad.json())
+        odd = httpx.post(f"{url}{path}", content=plain.content, headers=plain.headers | {"content-encoding": "br"})
+        assert odd.status_code == 415 and "Content-Encoding" in json.dumps(odd.json())
+
+
+# --- refusals that clients can read -------------------------------------------------------------------------
+
+CLIENTS = ("requests", "httpx", "curl", "a socket")
+
+
+def _big(size: int = 24 * 2**20) -> bytes:
+    return b'{"model": "dot_product", "queries": [' + b"0," * (size // 2) + b"0]}"
+
+
+def _refusals(url: str, body: bytes, **headers: str) -> dict[str, tuple[int | str, str | None]]:
+    """What requests, httpx and curl each read for `body` posted to /attend: (status, Retry-After), or the
+    error instead."""
+    import requests
+
+    headers = {"content-type": "application/json"} | {k.replace("_", "-"): v for k, v in headers.items()}
+    seen: dict[str, tuple[int | str, str | None]] = {}
+    try:
+        r = requests.post(f"{url}/attend", data=body, headers=headers, timeout=60)
+        seen["requests"] = (r.status_code, r.headers.get("retry-after"))
+    except requests.RequestException as e:
+        seen["requests"] = (type(e).__name__, None)
+    try:
+        r2 = httpx.post(f"{url}/attend", content=body, headers=headers, timeout=60)
+        seen["httpx"] = (r2.status_code, r2.headers.get("retry-after"))
+    except httpx.HTTPError as e:
+        seen["httpx"] = (type(e).__name__, None)
+    curl = shutil.which("curl")
+    assert curl, "curl is needed (Debian's curl)"
+    # Expect: curl would otherwise wait for a 100 Continue and never send the body to a refusal.
+    out = subprocess.run([curl, "-s", "-o", "/dev/null", "-D", "-", "-X", "POST", "--data-binary", "@-",
+                          "-H", "Expect:", *(x for k, v in headers.items() for x in ("-H", f"{k}: {v}")),
+                          f"{url}/attend"], input=body, capture_output=True, timeout=60)
+    lines = out.stdout.decode("latin-1").splitlines()
+    status = int(lines[0].split()[1]) if lines else 0
+    retry = next((line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("retry-after:")), None)
+    seen["curl"] = (status, retry)
+    # A client that sends its whole request, then reads (as many do): its send must not be reset.
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        try:
+            sock.sendall(f"POST /attend HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode()
+                         + body)
+        except OSError as e:
+            seen["a socket"] = (f"{type(e).__name__} while sending", None)
+            return seen
+        from tests.service.test_overload import read_response
+
+        status, answer_headers, _ = read_response(sock, timeout=30)
+        seen["a socket"] = (status, answer_headers.get("retry-after"))
+    return seen
+
+
+def test_a_refusal_sent_before_the_body_ends_is_read_by_every_client(repository):
+    """413 by Content-Length, 503 for the budget (the body not read), 401 without a key, the connection
+    guard's 503 (requests in progress) and a refusal to a client that asked for Connection: close: each
+    answered before the client has sent its body; the rest is read and dropped (a bounded drain), so
+    requests, httpx and curl each read the status (and Retry-After), none gets a reset."""
+    body = _big()
+    with running_service(repository, ATTEND_MAX_BODY_BYTES=str(8 * 2**20)) as (url, _):
+        assert _refusals(url, body) == dict.fromkeys(CLIENTS, (413, None))
+        assert _refusals(url, body, connection="close") == dict.fromkeys(CLIENTS, (413, None))
+    with running_service(repository, ATTEND_MAX_CONNECTIONS="1") as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as holder:  # the one request in progress
+            holder.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1000\r\n\r\n{")
+            time.sleep(0.3)
+            assert _refusals(url, body) == dict.fromkeys(CLIENTS, (503, "1"))
+    with running_service(repository, ATTEND_MAX_INFLIGHT_BYTES=str(300 * 2**20)) as (url, _):
+        # Another request holds 180 MiB of the budget (its 30 MiB body in pieces and their join, and the
+        # 4 bytes a byte its JSON's parse will hold at least) while its client takes its time: this
+        # one's 144 MiB do not fit beside it.
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as holder:
+            holder.sendall(b"POST /attend HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n{" % (30 * 2**20))
+            time.sleep(0.3)
+            assert _refusals(url, body) == dict.fromkeys(CLIENTS, (503, "1"))
+    with running_service(repository, ATTEND_API_KEYS="secret-key-123") as (url, _):
+        assert _refusals(url, body) == dict.fromkeys(CLIENTS, (401, None))
+
+
+def test_the_drain_is_bounded(repository):
+    """Past ATTEND_DRAIN_BYTES the connection is closed (the client may then see a reset): a client
+    cannot make the service read for ever."""
+    body = _big(32 * 2**20)
+    with running_service(repository, ATTEND_MAX_BODY_BYTES=str(2**20), ATTEND_DRAIN_BYTES=str(2**20)) as (url, _):
+        start = time.monotonic()
+        try:
+            status = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"},
+                                timeout=30).status_code
+        except httpx.HTTPError:
+            status = "reset"
+        assert status in (413, "reset") and time.monotonic() - start < 10
+        assert httpx.get(f"{url}/health/live").status_code == 200
+
+
+def test_a_gzip_bomb_on_the_event_loop_is_refused_early(repository):
+    """Eight gzip bombs of 30 KB each at once (each ~31 MB of JSON zeros inflated): refused as they
+    inflate past the ratio, without the event loop waiting on them."""
+    bomb = gzip.compress(b'{"inputs": [{"name": "queries", "datatype": "FP32", "shape": [1], "data": [' +
+                         b"0," * (15 * 2**20) + b"0]}]}", 9)
+    with running_service(repository) as (url, proc):
+        idle = rss_mb(proc.pid)
+        poller = HealthPoller(url)
+        with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda _: httpx.post(f"{url}{INFER}", content=bomb, timeout=60,
+                                                          headers={"content-encoding": "gzip"}).status_code,
+                                     range(8)))
+        gap, _ = poller.stop()
+    assert statuses == [413] * 8
+    assert gap < 250, gap
+    assert max(peak) - idle < 64, (idle, max(peak))
