@@ -39,6 +39,16 @@ SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+# The most axes an array of a request may have, in any protocol: the models take 3 or 4; deeper nesting
+# (or a longer shape) is refused before it is walked.
+MAX_DIMS = 8
+
+
+def finite(flat: np.ndarray) -> bool:
+    """Every number of a float32 array finite (numbers beyond float32's range were cast to inf). A
+    decode plan for small bodies of one layout has a faster way of its own: a dot with zeros it keeps
+    (service.protocols.attend._Plan)."""
+    return bool(np.isfinite(flat).all())
 
 
 def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
@@ -57,7 +67,7 @@ def _float32(arr: np.ndarray, field: str, model: LoadedModel, checked: bool = Fa
     if checked:
         return arr
     out = arr.astype(np.float32, copy=False)  # beyond float32's range becomes inf, refused just below
-    if not np.isfinite(out).all():
+    if not finite(out):
         raise InvalidRequest(f"{field} must hold finite float32 numbers (|x| <= {_F32_MAX:.4g})", field=field)
     return out
 

@@ -43,6 +43,7 @@ from service.core.errors import (
     json_type,
 )
 from service.core.request import (
+    MAX_DIMS,
     Request,
     RequestLimits,
     _check_valid_lens,
@@ -50,6 +51,7 @@ from service.core.request import (
     _pattern,
     build_request,
     find_model,
+    finite,
 )
 from service.core.runtime import LoadedModel, Registry
 from service.protocols.codec import JSON, Headers, Target, media_type
@@ -64,7 +66,6 @@ _WHY_NOT = {
 }
 _FIELD_SET = frozenset(FIELDS)
 DEFAULT_LIMITS = RequestLimits()
-_MAX_DEPTH = 8
 _NUMBERS = frozenset({int, float})
 # Numbers beyond float32's range become inf in the cast and are refused just after; NumPy's warning
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
@@ -172,7 +173,7 @@ def _fast_array(node: Any) -> tuple[np.ndarray, int] | None:
     shape = []
     probe = node
     while type(probe) is simdjson.Array:
-        if len(shape) == _MAX_DEPTH or not len(probe):
+        if len(shape) == MAX_DIMS or not len(probe):
             return None
         shape.append(len(probe))
         probe = probe[0]
@@ -223,7 +224,7 @@ def _first_path_shape(node: Any) -> tuple[int, ...] | None:
     probe = node
     while probe.__class__ is simdjson.Array:
         n = len(probe)
-        if not n or len(shape) == _MAX_DEPTH:
+        if not n or len(shape) == MAX_DIMS:
             return None
         shape.append(n)
         probe = probe[0]
@@ -301,7 +302,7 @@ def _small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
     if not _structure_matches(layout, data, shapes):
         return None
     flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
-    if not np.isfinite(flat).all():
+    if not finite(flat):
         return None
     arrays, start = {}, 0
     for field, shape in shapes.items():
@@ -330,8 +331,8 @@ def _shape_of(value: Any, field: str, what: str) -> tuple[int, ...]:
     shape: list[int] = []
     probe = value
     while isinstance(probe, list):
-        if len(shape) == _MAX_DEPTH:
-            raise InvalidShape(f"{field} is nested deeper than {_MAX_DEPTH} levels; it must be {what}", field=field)
+        if len(shape) == MAX_DIMS:
+            raise InvalidShape(f"{field} is nested deeper than {MAX_DIMS} levels; it must be {what}", field=field)
         shape.append(len(probe))
         if not probe:
             break

@@ -30,7 +30,7 @@ from service.core.errors import (
     excerpt,
     json_type,
 )
-from service.core.request import Request, RequestLimits, build_request, find_model
+from service.core.request import MAX_DIMS, Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
 from service.protocols.attend import large_not_json
 from service.protocols.codec import JSON, Headers, Target, media_type
@@ -165,8 +165,8 @@ def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> 
         raise BadRequest(f"input {name} is given twice")
     seen.add(name)
     shape = entry.get("shape")
-    if not isinstance(shape, list) or len(shape) > 8:
-        raise BadRequest(f"input {name}: shape must be a list of at most 8 sizes, got {json_type(shape)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise BadRequest(f"input {name}: shape must be a list of at most {MAX_DIMS} sizes, got {json_type(shape)}")
     shape = [_int(s, f"input {name}: every size of shape") for s in shape]
     datatype = entry.get("datatype")
     accepted = _ACCEPTED[specs[name].dtype]
