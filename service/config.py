@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     # the load limits: an orchestrator must not restart a busy service.
     max_connections: int = Field(512, ge=1, description="requests in progress at once; more get 503 + Retry-After")
     max_open_connections: int = Field(4096, ge=1, description="open connections; more are refused at once")
-    max_inflight_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="bytes of memory the requests in "
+    max_inflight_bytes: int = Field(1024 * 1024 * 1024, ge=1024, description="bytes of memory the requests in "
                                     "flight may cost together (service.core.cost): a request that would pass it "
                                     "gets 503 + Retry-After (before its body is read where its length says so), "
                                     "one that would cost more than all of it 413")

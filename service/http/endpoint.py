@@ -11,7 +11,6 @@ run; `service.http.app.AttendApp` calls them before FastAPI's stack, with CORS o
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
@@ -132,16 +131,21 @@ class InferenceEndpoint:
         stage's bytes held in `cost` before it makes them."""
         dataplane = self.dataplane
         with dataplane.within(until):
-            encoding = encoding_of(headers.get(b"content-encoding"))
+            encoding = headers.get(b"content-encoding")
+            if encoding is not None:
+                encoding = encoding_of(encoding)
             aligned_at = self.aligned_at(headers) if encoding is None else None
             claim = None if aligned_at is None else (scope.get("extensions") or {}).get("attend.body")
-            expected = functools.partial(self.expected, headers) if encoding is None else None
+            expected = self.expected if encoding is None else None
             body = await read_body(receive, headers, self.max_body_bytes, claim, aligned_at or 0, cost, expected)
             if encoding is not None:
                 body = await self._inflate(body, encoding, cost, until)
-            # The body alone (its pieces joined, a compressed one dropped), and what its decode will hold.
             cost.base = len(body)
-            cost.hold(cost.base + self.expected(headers, cost.base), "this body")
+            if cost.base > dataplane.inline_decode_bytes:
+                # While it waits for a decode thread: the body alone (its pieces joined, a compressed one
+                # dropped), and what its decode will hold at least. (Decoded at once, the codec holds what
+                # its decode holds first thing.)
+                cost.hold(cost.base + self.expected(headers, cost.base), "this body")
             return await dataplane.decode_async(until, self.decode, dataplane, target, headers, body, cost)
 
     async def _inflate(self, body: bytes, encoding: str, cost: Cost, until: float) -> bytes:

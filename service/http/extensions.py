@@ -55,11 +55,16 @@ JSON = b"application/json"
 Headers = list[tuple[bytes, bytes]]
 
 
+def _nothing(headers: dict[bytes, bytes], length: int) -> int:
+    return 0
+
+
 async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, claim: Any = None,
                     aligned_at: int = 0, cost: Cost | None = None, expected: Any = None) -> Any:
     """The body, refused with 413 as soon as it is known to be larger than `limit`, its bytes held in
     `cost` before they are read (503 + Retry-After where the in-flight budget has no room for them; a
-    body of unknown length as it comes), with what its decode will hold at least (`expected(length)`).
+    body of unknown length as it comes), with what its decode will hold at least (`expected(headers,
+    length)`, the codec's).
     `claim`: the server's way to have it written into one buffer as it comes ("attend.body", where it
     offers that: service.http.protocol.BodySink), the byte at `aligned_at` 64-byte aligned; the body is
     then a memoryview, not bytes."""
@@ -68,16 +73,16 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
     if size is not None and size > limit:
         raise PayloadTooLarge(f"the body has {size} bytes; the limit is {limit} (ATTEND_MAX_BODY_BYTES)",
                               expected=limit, received=size)
-    expect = expected or (lambda length: 0)
+    expect = expected or _nothing
     if claim is not None:
         if cost is not None:
-            cost.hold((size or 0) + expect(size or 0), "this body")
+            cost.hold((size or 0) + expect(headers, size or 0), "this body")
         body = await claim(aligned_at)
         if body is None:
             raise ClientGone("the client disconnected before sending its whole body")
         return body
     if cost is not None and size is not None:
-        cost.hold(2 * size + expect(size), "this body")  # the server's pieces of it, and their join
+        cost.hold(2 * size + expect(headers, size), "this body")  # the server's pieces of it, and their join
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone("the client disconnected before sending its body")
@@ -98,7 +103,7 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
             raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (ATTEND_MAX_BODY_BYTES)",
                                   expected=limit)
         if cost is not None and size is None:
-            cost.hold(2 * received + expect(received), "this body")
+            cost.hold(2 * received + expect(headers, received), "this body")
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)

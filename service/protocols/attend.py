@@ -31,7 +31,16 @@ import orjson
 import simdjson
 
 from service.core.batching import Encoder
-from service.core.cost import PRECISE_BODY_BYTES, Cost, json_counts, json_decode
+from service.core.cost import (
+    PRECISE_BODY_BYTES,
+    ROUGH_JSON_BYTES,
+    SMALL_JSON_BYTES,
+    Cost,
+    json_bound,
+    json_counts,
+    json_decode,
+    json_expected,
+)
 from service.core.errors import (
     _EXCERPT,
     InvalidJSON,
@@ -615,14 +624,20 @@ class AttendCodec:
                                        expected="application/json", received=media[:100])
 
     def expected(self, headers: Headers, length: int) -> int:
-        return json_decode(length, 0, 0)
+        return json_expected(length)
 
     def aligned_at(self, headers: Headers) -> None:
         return None
 
     def decode(self, core: Any, target: Target, headers: Headers, body: bytes, cost: Cost) -> tuple[Request, Encoder]:
+        size = len(body)
+        if size <= SMALL_JSON_BYTES:  # its bound from its size, held since it arrived (where it was not inflated)
+            cost.at_least(size + json_expected(size), "decoding this body")
+            return decode_body(body, core.registry, core.limits), encode_attend
+        if size <= ROUGH_JSON_BYTES and cost.roughly(size + json_bound(size)):
+            return decode_body(body, core.registry, core.limits), encode_attend
         commas, brackets = json_counts(body)
-        cost.decoding(json_decode(len(body), commas, brackets))
+        cost.decoding(json_decode(size, commas, brackets))
         return decode_body(body, core.registry, core.limits, brackets), encode_attend
 
     def response(self, content: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:

@@ -70,9 +70,9 @@ def _send(url: str, body: Body) -> tuple[Body, int | str, dict]:
 
 
 def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answering(repository):
-    budget_mib = 256  # the default
+    budget_mib = 256  # a quarter of the default: 8 of these bodies at once do not all fit
     bodies = every_form(6 * 2**20) * 2
-    with running_service(repository) as (url, proc):
+    with running_service(repository, ATTEND_MAX_INFLIGHT_BYTES=str(budget_mib * 2**20)) as (url, proc):
         time.sleep(1)
         idle = rss_mb(proc.pid)
         poller = HealthPoller(url)
@@ -95,8 +95,9 @@ def test_a_compressed_body_is_measured_inflated(repository):
     """The same dense body, plain and gzip'd (~400 times smaller on the wire): both refused for what they
     would cost (413 naming the budget); the compressed one refused as it inflates, not once it is whole,
     where it inflates past ATTEND_MAX_INFLATE_RATIO."""
-    dense = json_dense(24 * 2**20)
-    with running_service(repository, ATTEND_MAX_INFLATE_RATIO="1000") as (url, _):
+    dense = json_dense(24 * 2**20)  # counted ~650 MB
+    budget = str(256 * 2**20)
+    with running_service(repository, ATTEND_MAX_INFLATE_RATIO="1000", ATTEND_MAX_INFLIGHT_BYTES=budget) as (url, _):
         for body in (dense, compressed(dense)):
             _, status, answer = _send(url, body)
             assert status == 413, (body.name, answer)
