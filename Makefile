@@ -88,8 +88,8 @@ load: install  ## locust, headless, 1 minute, against a service already running 
 soak: install $(REPOSITORY)  ## locust against a fresh service for 4 minutes, memory sampled; pass/fail
 	$(PY) tests/load/soak.py --repository $(REPOSITORY) --minutes 4
 
-membound: install $(REPOSITORY)  ## peak memory of the largest requests the default limits allow
-	$(PY) tests/load/membound.py
+membound: install $(REPOSITORY)  ## each form of body: peak memory against what the service counts; writes docs/reliability.md
+	$(PY) tests/load/membound.py --out docs/reliability.md
 
 container-lint:  ## hadolint, docker compose config (every profile), shellcheck; no container engine needed
 	bash tests/container/lint.sh

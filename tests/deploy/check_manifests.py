@@ -11,7 +11,8 @@ source).
    worker pod templates are checked as `PodTemplate`s, its Serve config against deploy/ray/cluster.yaml.
 2. What a schema cannot know: the probes ask the service's health routes on the port it listens on;
    the grace period covers preStop plus ATTEND_GRACE_PERIOD_S (or Serve's graceful_shutdown_timeout_s);
-   the Service and the HPA point at the Deployment; memory is requested and limited; every ATTEND_*
+   the Service and the HPA point at the Deployment; memory is requested and limited, the limit room for
+   the idle process and ATTEND_MAX_INFLIGHT_BYTES a worker (docs/reliability.md's sizing); every ATTEND_*
    variable is a setting of service/config.py (a misspelt one would be silently ignored by the service).
 """
 
@@ -30,6 +31,9 @@ ATTEND = ROOT / "deploy" / "kubernetes" / "attend.yaml"
 RAYSERVICE = ROOT / "deploy" / "kubernetes" / "rayservice.yaml"
 CLUSTER = ROOT / "deploy" / "ray" / "cluster.yaml"
 VERSIONS = ["1.30.0", kv.latest_version()]
+# docs/reliability.md: a worker holds ~100-130 MiB idle, and at most its in-flight budget more (the budget
+# counts what requests cost, from above; the measured peaks stayed under it).
+IDLE = 160 * 2**20
 
 
 def settings_fields() -> set[str]:
@@ -118,6 +122,12 @@ def check_attend(docs: list[dict], fields: set[str]) -> list[str]:
         problems.append("Deployment: memory needs a request and a limit (docs/reliability.md)")
     elif parse_memory(request) > parse_memory(limit):
         problems.append(f"Deployment: memory request {request} above its limit {limit}")
+    budget, workers = env.get("ATTEND_MAX_INFLIGHT_BYTES"), int(env.get("ATTEND_WORKERS", 1))
+    if budget is None:
+        problems.append("Deployment: ATTEND_MAX_INFLIGHT_BYTES unset: the memory limit is derived from it")
+    elif limit is not None and parse_memory(limit) < workers * (IDLE + int(budget)):
+        problems.append(f"Deployment: memory limit {limit} below {workers} x (160 MiB idle + "
+                        f"ATTEND_MAX_INFLIGHT_BYTES {int(budget) >> 20} MiB): a burst within the budget is killed")
     if "cpu" not in resources.get("requests", {}):
         problems.append("Deployment: no CPU request (the HPA's utilization is relative to it)")
     labels = pod["metadata"]["labels"]
@@ -195,6 +205,7 @@ def self_test() -> int:
         (lambda d, r: d[0]["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=30),
          "terminationGracePeriodSeconds 30 <"),
         (lambda d, r: container(d)["resources"]["requests"].update(memory="1Gi"), "above its limit"),
+        (lambda d, r: container(d)["env"].append({"name": "ATTEND_WORKERS", "value": "2"}), "a burst within"),
         (lambda d, r: d[1]["spec"].update(selector={"app": "other"}), "does not select the pods"),
         (lambda d, r: d[2]["spec"]["scaleTargetRef"].update(name="other"), "not the Deployment"),
         (lambda d, r: r["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(
