@@ -32,9 +32,9 @@ _FLAGS: dict[str, tuple[str, ...]] = {
 _ALL_FLAGS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "max_len", "bias")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m export") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m export",
+        prog=prog,
         description="Export attention modules to a validated ONNX model repository. "
         "Without --kind: the default repository (dot_product, additive, multi_head, self_attention, "
         "masked_softmax, positional_encoding).",
@@ -98,8 +98,8 @@ def hyperparameters(kind: str, args: argparse.Namespace,
     return hp
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m export") -> int:
+    args = _parser(prog).parse_args(argv)
     # Import late: --help stays fast and torch-free.
     from export.publish import export_model
 
