@@ -4,9 +4,10 @@
     python -m export --kind additive --name mine --checkpoint additive.pt
     python -m export --kind multi_head --name mha --checkpoint mha.pt --num-heads 5
 
-With a checkpoint, the sizes come from its parameter shapes; what shapes cannot tell (--num-heads,
---max-len) is asked for by name, and a flag that contradicts the checkpoint is an error naming the
-value the checkpoint implies.
+With a checkpoint, the sizes come from its parameter shapes; what shapes cannot tell is asked for by
+name (--num-heads), or taken as the book made it and said in one line (--max-len: the book's
+PositionalEncoding keeps max_len=1000), and a flag that contradicts the checkpoint is an error naming
+the value the checkpoint implies.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ _FLAGS: dict[str, tuple[str, ...]] = {
 _ALL_FLAGS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "max_len", "bias")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m export") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m export",
+        prog=prog,
         description="Export attention modules to a validated ONNX model repository. "
         "Without --kind: the default repository (dot_product, additive, multi_head, self_attention, "
         "masked_softmax, positional_encoding).",
@@ -51,10 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# What a checkpoint's shapes cannot tell, per kind: asked for by name when a checkpoint is given.
+# What a checkpoint's shapes cannot tell, per kind: asked for by name when a checkpoint is given, unless
+# the book's class has a default for it (_BOOK_DEFAULTS).
 _NOT_IN_SHAPES: dict[str, tuple[str, ...]] = {
     "multi_head": ("num_heads",),
     "self_attention": ("num_heads", "max_len"),
+    "positional_encoding": ("max_len",),
+}
+# The book's defaults for what a checkpoint cannot tell: the book's PositionalEncoding keeps P as a plain
+# tensor, not in the state_dict, and its max_len defaults to 1000 (MultiHeadAttention's checkpoint of
+# self_attention has no positional encoding at all). Used, and said in one line, when the flag is not given.
+_BOOK_DEFAULTS: dict[str, tuple[int, str]] = {
+    "max_len": (1000, "the book's default (PositionalEncoding(num_hiddens, dropout, max_len=1000))"),
 }
 
 
@@ -80,12 +89,17 @@ def hyperparameters(kind: str, args: argparse.Namespace,
                 shown = value if name != "bias" else "(given)"
                 raise ExportError(f"{_flag(name)} {shown} contradicts the checkpoint: {implied[name][1]}, so "
                                   f"{name} is {implied[name][0]}; leave the flag out or fix it")
-        needed = [name for name in _NOT_IN_SHAPES.get(kind, ()) if name not in given]
+        untold = [name for name in _NOT_IN_SHAPES.get(kind, ()) if name not in given]
+        needed = [name for name in untold if name not in _BOOK_DEFAULTS]
         if needed:
             hidden = implied.get("num_hiddens", (None, ""))[0]
             why = f" (num_hiddens = {hidden})" if hidden else ""
             raise ExportError(" and ".join(_flag(n) for n in needed) + f" needed: a checkpoint's shapes do not tell "
                               f"{' or '.join(needed)}{why}; e.g. " + " ".join(f"{_flag(n)} N" for n in needed))
+        for name in untold:  # only the book's defaults are left
+            value, why = _BOOK_DEFAULTS[name]
+            hp[name] = value
+            print(f"{name}: {value}, {why}; {_flag(name)} overrides")
         hp.update({name: value for name, (value, _) in implied.items()})
     elif kind == "multi_head" and "num_hiddens" in given:
         # The book's multi-head examples use key = query = value size = num_hiddens.
@@ -98,8 +112,8 @@ def hyperparameters(kind: str, args: argparse.Namespace,
     return hp
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m export") -> int:
+    args = _parser(prog).parse_args(argv)
     # Import late: --help stays fast and torch-free.
     from export.publish import export_model
 

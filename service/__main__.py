@@ -1,4 +1,5 @@
-"""`python -m service`: uvicorn with the settings of the environment (ATTEND_*).
+"""`python -m service` (and `attend serve`): uvicorn with the settings of the environment (ATTEND_*).
+It takes no arguments but --help, which prints the settings and exits.
 
 The models are loaded before uvicorn starts, so a repository that cannot be served stops the
 process with a one-line reason and exit code 1, before any port is open.
@@ -14,13 +15,15 @@ process exits, within ATTEND_GRACE_PERIOD_S. ATTEND_WORKERS > 1: the same in eve
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+from collections.abc import Sequence
 
 import uvicorn
 from pydantic import ValidationError
 
-from service.config import UnknownSetting, get_settings
+from service.config import Settings, UnknownSetting, get_settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
@@ -31,7 +34,34 @@ from service.http.server import GracefulServer, raise_file_limit, run_workers, u
 log = logging.getLogger("service")
 
 
-def main() -> int:
+def parser(prog: str = "python -m service") -> argparse.ArgumentParser:
+    """The command line: no arguments (the settings are ATTEND_* variables), --help lists them."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve every model of the repository (ATTEND_MODEL_REPOSITORY) over HTTP through ONNX Runtime.\n"
+        "Settings are ATTEND_* environment variables (README.md, \"Settings\", says what each does); an\n"
+        "unknown ATTEND_* variable stops the start. To listen beyond localhost: ATTEND_HOST=0.0.0.0.\n"
+        "SIGTERM drains and exits; SIGHUP loads the models whose newest version changed.",
+        epilog="settings (default):\n" + _settings_table(),
+    )
+
+
+def _settings_table(width: int = 48) -> str:
+    """Every setting with its default, two a line."""
+    cells = []
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        if isinstance(default, bool):
+            default = str(default).lower()
+        shown = "(none)" if name.endswith("_keys") or default == "" else default  # the keys are SecretStr
+        cells.append(f"ATTEND_{name.upper()}={shown}")
+    rows = [cells[i:i + 2] for i in range(0, len(cells), 2)]
+    return "\n".join("  " + "".join(cell.ljust(width) for cell in row).rstrip() for row in rows)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> int:
+    parser(prog).parse_args(argv)  # --help exits 0 here, anything else 2, before a setting is read
     try:
         settings = get_settings()
     except (UnknownSetting, ValidationError) as e:  # one line, before anything else: no traceback

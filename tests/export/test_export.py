@@ -305,7 +305,7 @@ def test_checkpoints_of_any_size_export_without_size_flags(tmp_path, kind):
 @pytest.mark.parametrize("kind, flags, message", [
     ("multi_head", [], "--num-heads needed: a checkpoint's shapes do not tell num_heads (num_hiddens = 10); "
      "e.g. --num-heads N"),
-    ("self_attention", ["--num-heads", "4"], "--max-len needed: a checkpoint's shapes do not tell max_len"),
+    ("self_attention", [], "--num-heads needed: a checkpoint's shapes do not tell num_heads (num_hiddens = 12)"),
     ("additive", ["--key-size", "5"], "--key-size 5 contradicts the checkpoint: W_k.weight has shape (6, 4), so "
      "key_size is 4; leave the flag out or fix it"),
     ("multi_head", ["--num-heads", "2", "--bias"], "--bias (given) contradicts the checkpoint: W_q.bias is absent, "
@@ -321,6 +321,28 @@ def test_what_a_checkpoint_cannot_tell_or_contradicts_is_named(tmp_path, capsys,
     assert main(["--repository", str(repo), "--kind", kind, "--checkpoint", str(ckpt), *flags]) == 1
     assert message in capsys.readouterr().err
     assert not repo.exists() or _entries(repo) == []
+
+
+@pytest.mark.parametrize("kind, flags", [("self_attention", ["--num-heads", "4"]), ("positional_encoding", [])])
+def test_a_book_checkpoint_exports_with_the_books_max_len_said_in_one_line(tmp_path, capsys, kind, flags):
+    """The book's PositionalEncoding keeps P out of the state_dict and defaults max_len to 1000: a checkpoint
+    exports as the book made it, without --max-len, and the exporter says which max_len it took."""
+    module = (book.MultiHeadAttention(12, 12, 12, 12, 4, 0.0, bias=True) if kind == "self_attention"
+              else book.PositionalEncoding(32, 0.0))
+    ckpt = tmp_path / "ck.pt"
+    torch.save(module.state_dict(), ckpt)
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", kind, "--name", "mine", "--checkpoint", str(ckpt), *flags]) == 0
+    out = capsys.readouterr().out.splitlines()
+    said = ("max_len: 1000, the book's default (PositionalEncoding(num_hiddens, dropout, max_len=1000)); "
+            "--max-len overrides")
+    assert out[0] == said and said not in out[1:]
+    assert read_config(repo / "mine").hyperparameters["max_len"] == 1000
+    # A flag still overrides, and nothing is said.
+    assert main(["--repository", str(repo), "--kind", kind, "--name", "mine", "--checkpoint", str(ckpt), *flags,
+                 "--max-len", "64"]) == 0
+    assert "max_len:" not in capsys.readouterr().out
+    assert read_config(repo / "mine").hyperparameters["max_len"] == 64
 
 
 @pytest.mark.parametrize("content", [b"not a checkpoint", None])

@@ -1,0 +1,1 @@
+"""The `attend` console script (attend.cli): `attend serve` and `attend export`."""

@@ -1,0 +1,5 @@
+import sys
+
+from attend.cli import main
+
+sys.exit(main())
