@@ -1,4 +1,4 @@
-"""The `attend` console script (attend.cli) and the `python -m` forms it stands for: help that helps and
+"""The `attend` console script (service.cli) and the `python -m` forms it stands for: help that helps and
 exits 0 before anything starts, usage errors that exit 2, and the entry point pyproject.toml installs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from attend.cli import main
+from service.cli import main
 from service.config import setting_names
 from tests.server import ROOT
 
@@ -59,8 +59,8 @@ def test_export_help_shows_the_exporters_flags(capsys):
 def test_the_console_script_is_installed_by_pyproject():
     with open(ROOT / "pyproject.toml", "rb") as f:
         pyproject = tomllib.load(f)
-    assert pyproject["project"]["scripts"] == {"attend": "attend.cli:main"}
-    assert "attend*" in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert pyproject["project"]["scripts"] == {"attend": "service.cli:main"}
+    assert "service*" in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
 
 
 def _python_m(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -75,9 +75,9 @@ def _python_m(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
 
 @pytest.mark.parametrize("argv, usage", [(("service", "--help"), "usage: python -m service"),
                                          (("service", "-h"), "usage: python -m service"),
-                                         (("attend", "serve", "--help"), "usage: attend serve"),
+                                         (("service.cli", "serve", "--help"), "usage: attend serve"),
                                          (("export", "--help"), "usage: python -m export"),
-                                         (("attend", "--help"), "usage: attend")])
+                                         (("service.cli", "--help"), "usage: attend")])
 def test_python_m_help_prints_and_exits_0_without_starting(argv, usage):
     result, took = _python_m(*argv)
     assert result.returncode == 0, result.stderr

@@ -4,8 +4,10 @@
     attend export    what `python -m export` does, with the same flags
 
 Each subcommand is its package's own entry point, imported only when chosen: `attend export` needs no
-web framework, `attend serve` never imports torch (the runtime image has none). Outside service/, so it
-may import both stages (tests/service/test_layers.py keeps service/ from importing the exporter).
+web framework, `attend serve` never imports torch (the runtime image has none). The one module of
+service/ that may import the exporter's entry point, inside the function that runs it
+(tests/service/test_layers.py names this exception): the project's top level is fixed, and the
+service's own process never reaches that import.
 """
 
 from __future__ import annotations
@@ -53,3 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[argv[0]][0](argv[1:])
     parser().parse_args(argv)  # --help exits 0; no command or an unknown one exits 2 with the usage
     return 2  # not reached: every argv that is not a command's ends in parse_args
+
+
+if __name__ == "__main__":  # python -m service.cli, where the console script is not installed
+    sys.exit(main())

@@ -1,1 +1,0 @@
-"""The `attend` console script (attend.cli): `attend serve` and `attend export`."""

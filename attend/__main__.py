@@ -1,5 +1,0 @@
-import sys
-
-from attend.cli import main
-
-sys.exit(main())
