@@ -57,9 +57,13 @@ browser:  ## Debian's chromium for the page's browser tests, unless it is there 
 	@test -x $(CHROMIUM) || [ "$$ATTEND_SKIP_BROWSER" = 1 ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-# strace: the tests that count the service's system calls (a response in one write) use it.
-tools:  ## Debian's strace for the suite, unless it is there
+# strace: the tests that count the service's system calls (a response in one write) use it. promtool (Debian's
+# prometheus package): tests/deploy/test_prometheus.py checks and unit-tests deploy/prometheus with it; the server
+# the package starts under systemd is stopped and disabled again (only the tool is wanted).
+tools:  ## Debian's strace and promtool (the prometheus package) for the suite, unless they are there
 	@command -v strace >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace >/dev/null)
+	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends prometheus >/dev/null && (systemctl disable --now prometheus >/dev/null 2>&1 || true))
 
 test: install browser tools  ## lint, then the whole suite but the Ray tests, as CI runs it (the page's tests in chromium included)
 	$(LINT)

@@ -141,6 +141,8 @@ class Dataplane:
         self.requests_in_progress: Sized = _InFlight(self)
         self._decoder: ThreadPoolExecutor | None = None
         self.metrics.in_flight_from(lambda: self.in_flight)
+        budget = self.budget
+        self.metrics.track_limits(lambda: budget.used, budget.limit, settings.max_queue, settings.request_timeout_s)
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -161,6 +163,8 @@ class Dataplane:
         if settings.poll_s:
             self.scheduler.spawn(self.control.poll(settings.poll_s))
         self.scheduler.spawn(_trim_memory_when_idle(self))
+        if self.metrics.sample():  # with workers: what a scrape reads, written once a second
+            self.scheduler.spawn(_sample_metrics(self.metrics))
         in_flight = _InFlight(self)  # until the server says more (set_load_hint)
         self.set_load_hint(in_flight, in_flight)
         self.serving = self.ready = True
@@ -311,6 +315,13 @@ def check_api_key(header: bytes | None, keys: tuple[bytes, ...]) -> None:
     if not matched:
         raise Unauthorized("the API key is not valid", field="Authorization",
                            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+
+
+async def _sample_metrics(metrics: Metrics, every_s: float = 1.0) -> None:
+    """Multiprocess mode: the in-flight bytes written for the scrapes (read at scrape time otherwise)."""
+    while True:
+        await asyncio.sleep(every_s)
+        metrics.sample()
 
 
 async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> None:

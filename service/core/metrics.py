@@ -6,18 +6,47 @@ once and kept, since `labels(...)` costs a lock and a dict lookup per observatio
 With ATTEND_WORKERS > 1 the server sets PROMETHEUS_MULTIPROC_DIR before the workers start:
 prometheus_client then keeps every worker's values in files there, and `exposition()` sums them
 (its multiprocess mode), so any worker's /metrics counts all of them.
+
+Process metrics (`process_*`: resident memory, CPU seconds, open file descriptors, start time):
+prometheus_client's ProcessCollector on the app's registry. With workers, one process's values
+cannot be summed from files, and the worker that answers a scrape is any of them: each scrape
+reads /proc of every live worker and of their supervisor instead, a `pid` label each
+(`WorkerProcesses`), as `attend_worker_served` is labelled.
+
+Limits and what is held against them are read at scrape time (`set_function`), so that the request
+path pays nothing for them; with workers, where a scrape reads files, the in-flight bytes are
+written there once a second (`sample`) by each worker, a `pid` label each.
+
+docs/observability.md says what every family means; a test holds it to a live scrape.
 """
 
 from __future__ import annotations
 
+import glob
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.metrics_core import Metric
+from prometheus_client.process_collector import ProcessCollector
 
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Why the connection guard (service.http.protocol) refused a connection or a request before the app:
+# the `reason` label of attend_refused_total, every one exported from the start (at 0).
+REFUSALS = (
+    "connections",  # 503: ATTEND_MAX_CONNECTIONS requests in progress
+    "open_connections",  # 503: ATTEND_MAX_OPEN_CONNECTIONS connections open
+    "header_size",  # 431: headers over ATTEND_MAX_HEADER_BYTES
+    "header_timeout",  # 408: headers not in within ATTEND_HEADER_TIMEOUT_S
+    "body_timeout",  # 408: no byte of the body for ATTEND_BODY_TIMEOUT_S
+    "body_rate",  # 408: the body slower than ATTEND_MIN_BODY_RATE
+    "drain_closed",  # a refused request's body over ATTEND_DRAIN_BYTES or ATTEND_DRAIN_S: the connection closed
+)
+
+# Up to past the default deadline (ATTEND_REQUEST_TIMEOUT_S, 30 s): a p99 near it is not read as the top bucket.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ModelMetrics:
@@ -72,6 +101,25 @@ class Metrics:
         self.worker_served = Gauge("attend_worker_served", "Inference requests this worker answered 200 "
                                    "(pid label; only with ATTEND_WORKERS > 1)", registry=self.registry,
                                    multiprocess_mode="liveall") if MULTIPROCESS else None
+        self.refused = Counter("attend_refused", "Connections and requests the connection guard refused before "
+                               "the app, by reason (python -m service)", ["reason"], registry=self.registry)
+        self.refusals = {reason: self.refused.labels(reason) for reason in REFUSALS}
+        # The in-flight memory budget (service.core.cost.Budget): per process, so per worker (pid label).
+        self.inflight_bytes = Gauge("attend_inflight_bytes", "Bytes of memory the requests in flight hold against "
+                                    "ATTEND_MAX_INFLIGHT_BYTES (per worker: pid label)", registry=self.registry,
+                                    multiprocess_mode="liveall")
+        self.inflight_bytes_limit = Gauge("attend_inflight_bytes_limit", "ATTEND_MAX_INFLIGHT_BYTES: the budget of "
+                                          "the requests in flight (per worker: pid label)", registry=self.registry,
+                                          multiprocess_mode="liveall")
+        self.queue_limit = Gauge("attend_queue_limit", "ATTEND_MAX_QUEUE: requests that may wait, beyond which 503 "
+                                 "(summed over the workers, as attend_queue_depth is)", registry=self.registry,
+                                 multiprocess_mode="livesum")
+        self.request_timeout = Gauge("attend_request_timeout_seconds", "ATTEND_REQUEST_TIMEOUT_S: a request's "
+                                     "deadline (a client may ask for a shorter one)", registry=self.registry,
+                                     multiprocess_mode="livemax")
+        if not MULTIPROCESS:
+            ProcessCollector(registry=self.registry)
+        self._used: Callable[[], float] | None = None
         self._models: dict[str, ModelMetrics] = {}
 
     def exposition(self) -> bytes:
@@ -79,6 +127,7 @@ class Metrics:
         if MULTIPROCESS:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
+            registry.register(WorkerProcesses())
             return generate_latest(registry)
         return generate_latest(self.registry)
 
@@ -97,6 +146,25 @@ class Metrics:
             return self.queue_depth
         self.queue_depth.set_function(depth)
         return None
+
+    def track_limits(self, used: Callable[[], float], budget: int, max_queue: int, request_timeout_s: float) -> None:
+        """The limits, and the in-flight bytes (`used`) read at scrape time; in multiprocess mode
+        written by `sample`, which the caller calls every second or so."""
+        self.inflight_bytes_limit.set(budget)
+        self.queue_limit.set(max_queue)
+        self.request_timeout.set(request_timeout_s)
+        if MULTIPROCESS:
+            self._used = used
+            self.sample()
+        else:
+            self.inflight_bytes.set_function(used)
+
+    def sample(self) -> bool:
+        """Multiprocess mode: write what is read at scrape time otherwise (False: nothing to write)."""
+        if self._used is None:
+            return False
+        self.inflight_bytes.set(self._used())
+        return True
 
     def request_started(self) -> None:
         if MULTIPROCESS:
@@ -129,3 +197,28 @@ class Metrics:
         if children is None:
             children = self._models[name] = ModelMetrics(self, name)
         return children
+
+
+_LIVE_FILE = re.compile(r"gauge_live\w+?_(\d+)\.db$")
+
+
+class WorkerProcesses:
+    """Multiprocess mode's process metrics: ProcessCollector's families for every live worker (one
+    with a live gauge's file in PROMETHEUS_MULTIPROC_DIR, which it removes as it stops) and for
+    their parent (the supervisor), a `pid` label each. Read from /proc at scrape time; a worker
+    killed without removing its files has no /proc left and is skipped."""
+
+    def collect(self) -> Iterable[Metric]:
+        path = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        pids = {int(m.group(1)) for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))
+                if (m := _LIVE_FILE.search(os.path.basename(f)))}
+        pids.add(os.getppid())
+        families: dict[str, Metric] = {}
+        for pid in sorted(pids):
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "pid": str(pid)}, sample.value)
+        return list(families.values())

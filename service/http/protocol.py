@@ -17,7 +17,9 @@ away with taken away (each limit an ATTEND_* setting, see service/config.py):
   client that sends its whole body before reading reads the answer, instead of a reset (nginx's
   lingering close); a connection to be closed is half-closed (FIN) meanwhile.
 
-Every refusal carries the error body of the path's protocol (and Retry-After for overload).
+Every refusal carries the error body of the path's protocol (and Retry-After for overload), and is
+counted by its reason in attend_refused_total (service.core.metrics.REFUSALS), on the refusal's path
+only.
 
 It also offers the inference endpoints two extensions of the ASGI scope: "attend.hold" (a response's
 head and body, or its parts, in one write: `CoalescingTransport`) and "attend.body" (a body with a
@@ -41,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, 
 
 from service.config import Settings, get_settings
 from service.core.errors import HeadersTooLarge, Overloaded, RequestTimeout, ServiceError
+from service.core.metrics import Metrics
 from service.http.endpoint import error_body
 
 log = logging.getLogger("service")
@@ -194,8 +197,10 @@ class Guard:
     `_SWEEP_S` looks at every connection's header and body deadlines (a timer per request cost
     ~30% more CPU a request on a trivial app: bench/guard_cost.py)."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, metrics: Metrics | None = None):
         self.settings = settings
+        # Each reason's counter (attend_refused_total), where the server gave the app's metrics.
+        self.refusals = metrics.refusals if metrics is not None else {}
         self.protocols: set[GuardedProtocol] = set()
         self.busy = BusyConnections()
         self._sweeping: asyncio.TimerHandle | None = None
@@ -204,6 +209,11 @@ class Guard:
         self.protocols.add(protocol)
         if self._sweeping is None:
             self._sweeping = protocol.loop.call_later(_SWEEP_S, self._sweep, protocol.loop)
+
+    def refused(self, reason: str) -> None:
+        counter = self.refusals.get(reason)
+        if counter is not None:
+            counter.inc()
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
@@ -251,6 +261,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.transport = CoalescingTransport(transport, self._closing)  # type: ignore[assignment]
         if len(self.connections) > self.guard.settings.max_open_connections:
+            self.guard.refused("open_connections")
             self._refuse(_overloaded("too many open connections; retry shortly"), drain=True)
             return
         self.guard.add(self)
@@ -269,6 +280,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._check_body(now)
         elif self._draining and now >= self._drain_until:
             self._draining = False
+            self.guard.refused("drain_closed")
             self.transport.close(now=True)  # type: ignore[call-arg]
 
     def _headers_too_slow(self) -> None:
@@ -276,6 +288,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             # An idle keep-alive connection just closes; one that began a request gets a 408.
             if self._header_bytes:
+                self.guard.refused("header_timeout")
                 self._refuse(RequestTimeout(f"the request's headers did not arrive within "
                                             f"{self.guard.settings.header_timeout_s:g} s (ATTEND_HEADER_TIMEOUT_S)"))
             else:
@@ -342,6 +355,7 @@ class GuardedProtocol(HttpToolsProtocol):
             except (httptools.HttpParserError, httptools.HttpParserUpgrade):
                 pass  # not HTTP: no answer to wait for
             self._draining = False
+            self.guard.refused("drain_closed")
             self.transport.close(now=True)  # type: ignore[call-arg]
             return
         if self._awaiting_headers:
@@ -350,6 +364,7 @@ class GuardedProtocol(HttpToolsProtocol):
             # Still in the headers after this chunk, and past the limit: refuse before the parser
             # holds more of them (what it holds is at most the limit plus one read).
             if self._awaiting_headers and self._header_bytes > self.guard.settings.max_header_bytes:
+                self.guard.refused("header_size")
                 self._refuse(HeadersTooLarge(f"the request's headers are over "
                                              f"{self.guard.settings.max_header_bytes} bytes (ATTEND_MAX_HEADER_BYTES)"))
             return
@@ -385,6 +400,7 @@ class GuardedProtocol(HttpToolsProtocol):
                 self._body_check = self._body_started + self.guard.settings.body_timeout_s
             return
         # Answered here, instead of by the service (no task, no cycle): the body is drained, not read.
+        self.guard.refused("connections")
         self._refuse(_overloaded(refusal), drain=self._body_expected)
 
     def _respond(self, cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: Any) -> bool:
@@ -502,18 +518,19 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.flow.read_paused:
             self._body_progress = (now, self._body_bytes)
         elif self._body_bytes == last_bytes and now - last_time >= settings.body_timeout_s:
-            return self._body_too_slow(f"no byte of the body for {settings.body_timeout_s:g} s "
+            return self._body_too_slow("body_timeout", f"no byte of the body for {settings.body_timeout_s:g} s "
                                        "(ATTEND_BODY_TIMEOUT_S)")
         elif (self._body_bytes / (now - self._body_started) < settings.min_body_rate
               and now - self._body_started >= settings.body_timeout_s):
-            return self._body_too_slow(f"the body comes at under {settings.min_body_rate} bytes/s "
+            return self._body_too_slow("body_rate", f"the body comes at under {settings.min_body_rate} bytes/s "
                                        "(ATTEND_MIN_BODY_RATE)")
         if self._body_bytes != last_bytes:
             self._body_progress = (now, self._body_bytes)
         self._body_check = now + 1.0
 
-    def _body_too_slow(self, why: str) -> None:
+    def _body_too_slow(self, reason: str, why: str) -> None:
         log.info("closing a connection: %s", why)
+        self.guard.refused(reason)
         if self.cycle is not None and not self.cycle.response_started:
             self.transport.write(_refusal(RequestTimeout(why), self.url or b""))
         self.transport.close(now=True)  # type: ignore[call-arg]

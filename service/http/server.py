@@ -45,8 +45,10 @@ class GracefulServer(uvicorn.Server):
         return self._app if self._app is not None else getattr(self.config, "loaded_app", None)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        # The connections' limits, from the settings the app was built with (not the environment's).
-        self.config.attend_guard = guard = Guard(self.app.state.settings)  # type: ignore[attr-defined]
+        # The connections' limits, from the settings the app was built with (not the environment's);
+        # its refusals counted in the app's metrics.
+        state = self.app.state  # type: ignore[attr-defined]
+        self.config.attend_guard = guard = Guard(state.settings, state.dataplane.metrics)
         await super().startup(sockets)
         if self.started:
             # The requests in progress (uvicorn's own set) and the connections with a client busy

