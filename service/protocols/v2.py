@@ -44,7 +44,9 @@ _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
 class BadRequest(InvalidJSON):
-    """A request the protocol cannot read (400 in the protocol's words)."""
+    """An Open Inference Protocol request it cannot read: its JSON, or an input's name, datatype, shape or data."""
+
+    advice = "The message names the input and what is wrong; GET /v2/models/{m} lists its inputs and datatypes."
 
 
 def error_json(error: ServiceError) -> bytes:
