@@ -27,6 +27,8 @@ class LoadFailed(ServiceError):
     """The model could not be loaded; what was serving still is."""
 
     status, code = 400, "load_failed"
+    advice = ("The message says why (a missing or corrupt file, a wrong sha256 or signature): fix the version in "
+              "the repository (python -m export), then load again.")
 
 
 def _check_name(name: str) -> None:
@@ -36,7 +38,10 @@ def _check_name(name: str) -> None:
 
 
 class InvalidName(ServiceError):
+    """A model-control URL names no model a repository could hold."""
+
     status, code = 400, "invalid_name"
+    advice = f"Name the model as its folder in the repository is named: {NAME_RULE}."
 
 
 @dataclass

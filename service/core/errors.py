@@ -4,6 +4,10 @@ Open Inference Protocol as its `{"error": "<message>"}`):
 
     {"error": {"code": "invalid_shape", "message": "...", "field": "keys",
                "expected": [2, "n_k", 2], "received": [2, 10, 3]}}
+
+Each class says what it means (its docstring's first paragraph) and what to do (`advice`): `python
+scripts/errors_table.py` writes them, with the status and the code, into docs/errors.md, and
+tests/service/test_errors_table.py fails where that table is stale or a class lacks either.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ log = logging.getLogger("service")
 
 
 class ServiceError(Exception):
+    """Something failed inside the service: a bug, not the request (its log line has the traceback)."""
+
     status = 500
     code = "internal_error"
+    advice = ("Retry once; if it persists, report it with the response's X-Request-ID: the service's log line with "
+              "that ID has the traceback.")
 
     def __init__(self, message: str, field: str | None = None, expected: Any = None, received: Any = None,
                  headers: dict[str, str] | None = None):
@@ -42,73 +50,155 @@ class ServiceError(Exception):
 
 
 class InvalidJSON(ServiceError):
+    """The body is not valid JSON: a syntax error, NaN or Infinity, a duplicate key."""
+
     status, code = 400, "invalid_json"
+    advice = "Send one JSON object; the message names the line and column. NaN and Infinity are not JSON numbers."
 
 
 class InvalidEncoding(ServiceError):
     """A compressed body that does not inflate (Content-Encoding)."""
 
     status, code = 400, "invalid_encoding"
+    advice = "Send whole gzip or deflate data as Content-Encoding says, or the body uncompressed without the header."
 
 
 class InvalidHeader(ServiceError):
+    """A request header the service reads has a value it cannot use (X-Request-Timeout-Ms)."""
+
     status, code = 400, "invalid_header"
+    advice = "Send X-Request-Timeout-Ms as a positive number of milliseconds, or leave it out."
+
+
+class Unauthorized(ServiceError):
+    """An API key is needed (ATTEND_API_KEYS; ATTEND_ADMIN_KEYS for model control), and none or a wrong one came."""
+
+    status, code = 401, "unauthorized"
+    advice = "Send `Authorization: Bearer <key>` with one of the service's keys."
 
 
 class ModelNotFound(ServiceError):
+    """No model of that name, or that version of it is not loaded."""
+
     status, code = 404, "model_not_found"
+    advice = ("GET /models lists the models and their loaded versions; ATTEND_KEEP_VERSIONS=2 keeps the previous "
+              "version addressable.")
 
 
-class PayloadTooLarge(ServiceError):
-    status, code = 413, "payload_too_large"
+class ControlOff(ServiceError):
+    """Model control (load, unload, the repository index) is off."""
+
+    status, code = 404, "not_found"
+    advice = "Set ATTEND_ADMIN_KEYS and send one of them, or ATTEND_MODEL_CONTROL=true on a trusted network."
 
 
-class UnsupportedMediaType(ServiceError):
-    status, code = 415, "unsupported_media_type"
+class RouteNotFound(ServiceError):
+    """No route at this path."""
+
+    status, code = 404, "not_found"
+    advice = "Check the path: GET /docs lists the routes (inference is POST /attend and POST /v2/models/{m}/infer)."
 
 
-class InvalidRequest(ServiceError):
-    """A field of the right JSON type with the wrong value, or of the wrong type."""
+class MethodNotAllowed(ServiceError):
+    """The route exists, but not with this method."""
 
-    status, code = 422, "invalid_request"
-
-
-class InvalidShape(InvalidRequest):
-    code = "invalid_shape"
+    status, code = 405, "method_not_allowed"
+    advice = "Use the method GET /docs gives the route (inference is POST)."
 
 
-class ModelUnavailable(ServiceError):
-    status, code = 503, "model_unavailable"
+class HTTPError(ServiceError):
+    """Any other refusal of the web framework, with its own status."""
 
-
-class NotReady(ServiceError):
-    status, code = 503, "not_ready"
-
-
-class Overloaded(ServiceError):
-    """The batch queue is full (ATTEND_MAX_QUEUE)."""
-
-    status, code = 503, "overloaded"
+    status, code = 400, "http_error"
+    shown_status = "4xx"  # the framework's (service.http.app)
+    advice = "Read the message; GET /docs documents every route."
 
 
 class RequestTimeout(ServiceError):
     """The request's headers or body came too slowly (the connection is closed after the answer)."""
 
     status, code = 408, "request_timeout"
+    advice = ("Send the whole request promptly (ATTEND_HEADER_TIMEOUT_S, ATTEND_BODY_TIMEOUT_S, "
+              "ATTEND_MIN_BODY_RATE); on a slow link, raise them.")
+
+
+class PayloadTooLarge(ServiceError):
+    """The body, or what it asks for, is over a limit; the message names the setting."""
+
+    status, code = 413, "payload_too_large"
+    advice = ("Split the request (fewer rows, shorter sequences), or raise the setting the message names "
+              "(ATTEND_MAX_BODY_BYTES, ATTEND_MAX_INFLATE_RATIO, ATTEND_MAX_BATCH, ATTEND_MAX_SEQUENCE, "
+              "ATTEND_MAX_FEATURES, ATTEND_MAX_WEIGHT_ELEMENTS, ATTEND_MAX_INFLIGHT_BYTES).")
+
+
+class UnsupportedMediaType(ServiceError):
+    """A Content-Type the endpoint does not read."""
+
+    status, code = 415, "unsupported_media_type"
+    advice = ("/attend takes application/json; /v2 inference application/json, application/octet-stream or "
+              "none.")
+
+
+class InvalidRequest(ServiceError):
+    """A field of the right JSON type with the wrong value, or of the wrong type."""
+
+    status, code = 422, "invalid_request"
+    advice = "`field`, `expected` and `received` say which and what; GET /models/{m} gives the model's inputs."
+
+
+class InvalidShape(InvalidRequest):
+    """An array whose shape does not fit the model or the other arrays."""
+
+    code = "invalid_shape"
+    advice = ("Compare `expected` (sizes by name: n_k is the keys' length) with `received`; GET /models/{m} "
+              "lists the input shapes.")
 
 
 class HeadersTooLarge(ServiceError):
+    """The request's headers are over ATTEND_MAX_HEADER_BYTES."""
+
     status, code = 431, "headers_too_large"
-
-
-class DeadlineExceeded(ServiceError):
-    status, code = 504, "deadline_exceeded"
+    advice = "Send fewer or shorter headers (cookies, tokens), or raise ATTEND_MAX_HEADER_BYTES."
 
 
 class ClientGone(ServiceError):
     """The client disconnected while its request waited (nobody reads the answer)."""
 
     status, code = 499, "client_closed_request"
+    advice = ("Nothing is sent: it is counted (status 499 in the metrics) and logged. A client that gives up "
+              "early may want a longer timeout.")
+
+
+class ModelUnavailable(ServiceError):
+    """The model could not be loaded at start (ATTEND_SKIP_BROKEN_MODELS kept the service up without it)."""
+
+    status, code = 503, "model_unavailable"
+    advice = "GET /models/{m} says why; fix the version (python -m export), then reload (SIGHUP or the load route)."
+
+
+class NotReady(ServiceError):
+    """The service is starting or stopping, or a model it should serve could not be loaded."""
+
+    status, code = 503, "not_ready"
+    advice = ("Retry after Retry-After seconds; GET /health/ready turns 200 once it serves. Still 503: GET "
+              "/models says which model failed.")
+
+
+class Overloaded(ServiceError):
+    """Too much at once: the queue, the memory budget or the connections are full; the message says which."""
+
+    status, code = 503, "overloaded"
+    advice = ("Retry after Retry-After seconds, with backoff. Steadily: add workers or replicas, or raise the "
+              "limit: ATTEND_MAX_QUEUE, ATTEND_MAX_INFLIGHT_BYTES, ATTEND_MAX_CONNECTIONS, "
+              "ATTEND_MAX_OPEN_CONNECTIONS.")
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline (ATTEND_REQUEST_TIMEOUT_S, or X-Request-Timeout-Ms) passed before it ran."""
+
+    status, code = 504, "deadline_exceeded"
+    advice = ("Allow more time (X-Request-Timeout-Ms, ATTEND_REQUEST_TIMEOUT_S); steady 504s mean the service is "
+              "saturated: add capacity.")
 
 
 _EXCERPT = 64  # characters of a client's string quoted back in an error
@@ -131,11 +221,3 @@ def json_type(value: Any) -> str:
     if isinstance(value, list | simdjson.Array):
         return "an array"
     return "an object"
-
-
-class Unauthorized(ServiceError):
-    status, code = 401, "unauthorized"
-
-
-class ControlOff(ServiceError):
-    status, code = 404, "not_found"

@@ -67,6 +67,16 @@ class LoadedModel:
         return self.config.kind
 
     @functools.cached_property
+    def version_text(self) -> str:
+        """The version as every answer names it: a string, as the Open Inference Protocol's `model_version`."""
+        return str(self.config.version)
+
+    @functools.cached_property
+    def version_headers(self) -> list[tuple[bytes, bytes]]:
+        """The answer's X-Model-Version header, made once per snapshot (shared: never mutated)."""
+        return [(b"x-model-version", self.version_text.encode())]
+
+    @functools.cached_property
     def _inputs(self) -> list[TensorSpec]:
         return self.config.input_specs()
 

@@ -20,7 +20,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import Settings, get_settings
 from service.core.dataplane import Dataplane, check_api_key
-from service.core.errors import ControlOff, InvalidRequest, ServiceError
+from service.core.errors import (
+    ControlOff,
+    HTTPError,
+    InvalidRequest,
+    MethodNotAllowed,
+    RouteNotFound,
+    ServiceError,
+)
 from service.core.logs import flush_logs
 from service.core.metrics import Metrics
 from service.core.runtime import Registry
@@ -130,7 +137,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         # The preflight, and CORS headers on every other route (the inference endpoints add their own).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Request-Timeout-Ms"],
-                           expose_headers=["X-Request-ID", "Retry-After"])
+                           expose_headers=["X-Request-ID", "Retry-After", "X-Model-Version"])
     app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
 
@@ -146,6 +153,10 @@ def _field_of(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or str(loc[-1] if loc else "")
 
 
+# The web framework's own refusals, in the one error table (service.core.errors).
+_HTTP_ERRORS: dict[int, type[ServiceError]] = {404: RouteNotFound, 405: MethodNotAllowed}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
@@ -158,9 +169,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        error = ServiceError(str(exc.detail), headers=getattr(exc, "headers", None))
-        error.status, error.code = exc.status_code, code
+        kind = _HTTP_ERRORS.get(exc.status_code, HTTPError)
+        error = kind(str(exc.detail), headers=getattr(exc, "headers", None))
+        error.status = exc.status_code
         return error_response(request, error)
 
     @app.exception_handler(Exception)

@@ -92,7 +92,7 @@ class InferenceEndpoint:
             extra.append((b"access-control-allow-origin", b"*" if self.cors_all else origin))
             if not self.cors_all:
                 extra.append((b"vary", b"Origin"))
-            extra.append((b"access-control-expose-headers", b"X-Request-ID, Retry-After"))
+            extra.append((b"access-control-expose-headers", b"X-Request-ID, Retry-After, X-Model-Version"))
 
     def model_of(self, target: Target) -> str:
         """The model's name for the metrics' label before the body is decoded: a label only for models

@@ -30,6 +30,9 @@ Array3D = list[list[list[float]]]
 
 class AttendRequest(BaseModel):
     model: str = Field("dot_product", description="a model of GET /models")
+    version: int | None = Field(None, ge=1, description="a loaded version of the model to address (GET /models "
+                                "lists them; ATTEND_KEEP_VERSIONS=2 keeps the previous one); absent or null: the "
+                                "newest served")
     queries: Array3D | None = Field(None, description="(batch, n_q, query_size); for self_attention and "
                                     "positional_encoding the input sequence (batch, n, d); omitted for masked_softmax")
     keys: Array3D | None = Field(None, description="(batch, n_k, key_size); omitted for self_attention")
@@ -43,6 +46,8 @@ class AttendRequest(BaseModel):
 
 class AttendResponse(BaseModel):
     model: str
+    model_version: str = Field(description="the version of the model that answered (also the X-Model-Version "
+                               "header), a string as in the Open Inference Protocol")
     outputs: Array3D = Field(description="(batch, n_q, output_size); for masked_softmax the weights")
     attention_weights: list[Any] | None = Field(
         description="(batch, n_q, n_k), or (batch, num_heads, n_q, n_k) for multi_head and self_attention; "

@@ -597,13 +597,21 @@ _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
 def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes:
-    """/attend's response body: the model, `outputs`, `attention_weights` (null when not asked for,
-    or for a model without), and any other output of the model (`P` of the positional encoding)."""
-    body: dict[str, Any] = {"model": model.name, "outputs": outputs["outputs"],
+    """/attend's response body: the model and its version (a string, as the Open Inference Protocol's
+    `model_version`), `outputs`, `attention_weights` (null when not asked for, or for a model without),
+    and any other output of the model (`P` of the positional encoding)."""
+    body: dict[str, Any] = {"model": model.name, "model_version": model.version_text, "outputs": outputs["outputs"],
                             "attention_weights": outputs.get("attention_weights") if return_weights else None}
     if len(outputs) > 2 or "attention_weights" not in outputs:
         body.update((name, value) for name, value in outputs.items() if name not in body)
     return orjson.dumps(body, option=_ORJSON)
+
+
+def encode_answer(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool
+                  ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The codec's encoder: the body, and the X-Model-Version header of the model that answered (the
+    batch's snapshot, made once per snapshot)."""
+    return encode_attend(model, outputs, return_weights), model.version_headers
 
 
 def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS) -> bytes:
@@ -614,7 +622,7 @@ def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMI
 
 
 class AttendCodec:
-    """POST /attend: JSON in (`decode_body`), JSON out (`encode_attend`), errors in the service's one
+    """POST /attend: JSON in (`decode_body`), JSON out (`encode_answer`), errors in the service's one
     error body (service.core.errors.ServiceError.body)."""
 
     def check_media_type(self, headers: Headers) -> None:
@@ -633,15 +641,16 @@ class AttendCodec:
         size = len(body)
         if size <= SMALL_JSON_BYTES:  # its bound from its size, held since it arrived (where it was not inflated)
             cost.at_least(size + json_expected(size), "decoding this body")
-            return decode_body(body, core.registry, core.limits), encode_attend
+            return decode_body(body, core.registry, core.limits), encode_answer
         if size <= ROUGH_JSON_BYTES and cost.roughly(size + json_bound(size)):
-            return decode_body(body, core.registry, core.limits), encode_attend
+            return decode_body(body, core.registry, core.limits), encode_answer
         commas, brackets = json_counts(body)
         cost.decoding(json_decode(size, commas, brackets))
-        return decode_body(body, core.registry, core.limits, brackets), encode_attend
+        return decode_body(body, core.registry, core.limits, brackets), encode_answer
 
-    def response(self, content: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
-        return content, [], JSON
+    def response(self, content: tuple[bytes, list[tuple[bytes, bytes]]]
+                 ) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
+        return content[0], content[1], JSON
 
     def error_body(self, error: ServiceError) -> bytes:
         return orjson.dumps(error.body())

@@ -44,7 +44,9 @@ _ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
 class BadRequest(InvalidJSON):
-    """A request the protocol cannot read (400 in the protocol's words)."""
+    """An Open Inference Protocol request it cannot read: its JSON, or an input's name, datatype, shape or data."""
+
+    advice = "The message names the input and what is wrong; GET /v2/models/{m} lists its inputs and datatypes."
 
 
 def error_json(error: ServiceError) -> bytes:
@@ -243,7 +245,8 @@ def _requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple
 
 
 def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None) -> Encoder:
-    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> tuple[bytes, int | None]:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool
+               ) -> tuple[bytes | list, int | None, LoadedModel]:
         entries, blobs = [], []
         for name, binary in wanted:
             array = outputs[name]
@@ -255,13 +258,14 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
             else:
                 entry["data"] = array.ravel()
             entries.append(entry)
-        head: dict[str, Any] = {"model_name": model.name, "model_version": str(model.config.version)}
+        head: dict[str, Any] = {"model_name": model.name, "model_version": model.version_text}
         if request_id is not None:
             head["id"] = request_id
         head["outputs"] = entries
         text = orjson.dumps(head, option=_ORJSON)
         # In parts: the server sends them in one write without joining them (send_body).
-        return ([text, *blobs], len(text)) if blobs else (text, None)
+        # With the model that answered (the batch's snapshot): its X-Model-Version header.
+        return ([text, *blobs], len(text), model) if blobs else (text, None, model)
 
     return encode
 
@@ -353,12 +357,13 @@ class InferCodec:
             request.held = len(body)  # binary tensors read in place: the body lives as long as they do
         return request, _encoder(model, wanted, request_id)
 
-    def response(self, content: tuple[bytes | list, int | None]
+    def response(self, content: tuple[bytes | list, int | None, LoadedModel]
                  ) -> tuple[bytes | list, list[tuple[bytes, bytes]], bytes]:
-        body, header_length = content
+        body, header_length, model = content
         if header_length is None:
-            return body, [], JSON
-        return body, [(b"inference-header-content-length", str(header_length).encode())], OCTETS
+            return body, model.version_headers, JSON
+        return body, [(b"inference-header-content-length", str(header_length).encode()), *model.version_headers], \
+            OCTETS
 
     def error_body(self, error: ServiceError) -> bytes:
         return error_json(error)

@@ -80,8 +80,11 @@ def test_openapi_documents_the_toy_example(client):
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/attend"]["post"]["requestBody"]["content"]["application/json"]
     assert body["example"]["model"] == "additive" and body["example"]["valid_lens"] == [2, 6]
-    assert set(body["schema"]["properties"]) == {"model", "queries", "keys", "values", "scores", "valid_lens",
-                                                 "return_weights"}
+    assert set(body["schema"]["properties"]) == {"model", "version", "queries", "keys", "values", "scores",
+                                                 "valid_lens", "return_weights"}
+    ok = spec["paths"]["/attend"]["post"]["responses"]["200"]
+    assert "X-Model-Version" in ok["headers"]
+    assert "model_version" in spec["components"]["schemas"]["AttendResponse"]["required"]
     assert client.get("/docs").status_code == 200
 
 

@@ -18,7 +18,9 @@ router = APIRouter()
 @router.post(
     "/attend",
     response_model=AttendResponse,
-    responses=error_responses(400, 401, 404, 413, 415, 422, 503, 504),  # type: ignore[arg-type]
+    responses={200: {"headers": {"X-Model-Version": {"description": "the version of the model that answered",
+                                                     "schema": {"type": "string"}}}},
+               **error_responses(400, 401, 404, 413, 415, 422, 503, 504)},  # type: ignore[dict-item]
     summary="Attention outputs and weights for queries, keys, values and valid lengths",
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": AttendRequest.model_json_schema(),
