@@ -10,7 +10,7 @@ EXTRAS ?= export dev load
 # torch's CPU build comes from the PyTorch CPU index, unless a folder of PIP_FIND_LINKS has the wheel.
 TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))),,https://download.pytorch.org/whl/cpu)
 PIP_TOOLS := pip-tools==7.6.2
-LINT := $(PY) -m ruff check models export service tests bench scripts
+LINT := $(PY) -m ruff check models export service tests bench scripts docs/examples
 
 .PHONY: install install-ray check-lock lock export serve test test-ray lint browser tools bench bench-ray \
 	perf-analyzer load soak membound container-lint compose-smoke deploy-lint
