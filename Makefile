@@ -10,9 +10,9 @@ EXTRAS ?= export dev load
 # torch's CPU build comes from the PyTorch CPU index, unless a folder of PIP_FIND_LINKS has the wheel.
 TORCH_INDEX ?= $(if $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(PIP_FIND_LINKS))),,https://download.pytorch.org/whl/cpu)
 PIP_TOOLS := pip-tools==7.6.2
-LINT := $(PY) -m ruff check models export service tests bench scripts
+LINT := $(PY) -m ruff check models export service tests bench scripts docs/examples
 
-.PHONY: install install-ray check-lock lock export serve test test-ray lint browser tools bench bench-ray \
+.PHONY: install install-ray install-gpu install-runtime check-lock lock export serve test test-ray lint browser tools bench bench-ray \
 	perf-analyzer load soak membound container-lint compose-smoke deploy-lint
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
@@ -34,6 +34,23 @@ $(VENV)/.installed-ray: $(VENV)/.installed
 	@touch $@
 
 install-ray: install $(VENV)/.installed-ray  ## the venv plus Ray Serve (the ray extra), at the locked versions
+
+# The gpu extra (onnxruntime-gpu's CUDA 13 and cuDNN 9 wheels, GBs) joins the venv on a GPU workstation; again
+# after every new lock. Without it onnxruntime-gpu finds no CUDA libraries and the service runs on the CPU.
+$(VENV)/.installed-gpu: $(VENV)/.installed
+	$(PY) scripts/lock.py requirements gpu >$(VENV)/requirements-gpu.txt
+	$(PY) -m pip install -q -c requirements.lock -r $(VENV)/requirements-gpu.txt
+	@touch $@
+
+install-gpu: install $(VENV)/.installed-gpu  ## the venv plus the gpu extra (CUDA wheels), for the CUDA execution provider
+
+# Serving only (no torch, no tests, no locust): its own venv, the project's runtime dependencies at the locked
+# versions plus RUNTIME_EXTRAS (gpu on a GPU machine). It serves a repository exported elsewhere (the exporter
+# needs torch: `make export` in the full venv, or the image's).
+RUNTIME_VENV ?= .venv-runtime
+RUNTIME_EXTRAS ?=
+install-runtime: check-lock  ## $(RUNTIME_VENV): the runtime dependencies only (plus RUNTIME_EXTRAS, e.g. gpu), to serve
+	@$(MAKE) --no-print-directory $(RUNTIME_VENV)/.installed VENV=$(RUNTIME_VENV) EXTRAS="$(RUNTIME_EXTRAS)" TORCH_INDEX=
 
 lock:  ## resolve every dependency of every extra again (after editing pyproject.toml) into requirements.lock
 	@test -x $(VENV)-lock/bin/pip-compile || ($(PYTHON) -m venv $(VENV)-lock && $(VENV)-lock/bin/pip install -q $(PIP_TOOLS))
