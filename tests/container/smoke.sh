@@ -9,14 +9,18 @@
 #   3. makes the base image locally when absent: debootstrap --variant=minbase bookworm (with
 #      python3, venv, ca-certificates, and this machine's extra CAs trusted) | docker import
 #   4. docker compose (CPU variant) build, up -d --wait; a real POST /attend with the book's toy
-#      example; the loadtest profile (locust, bounded, headless) must end with no failure; a
+#      example; the monitoring profile (Prometheus) up -d --build --wait on a free loopback port; the
+#      loadtest profile (locust, bounded, headless) must end with no failure; then, from the host,
+#      Prometheus' HTTP API must show the attend target up, the rule groups of
+#      deploy/prometheus/alerts.yml loaded, and a query answering with the service's series; a
 #      graceful stop (exit code 0) and down
 #
 # Every phase is timed. Whatever happens, the stack is taken down and dockerd stopped (trap).
 # The logs of the last run stay in $ATTEND_DOCKER_STATE/last-run/. Needs root.
 #
 # Settings: ATTEND_DOCKER_STATE, TORCH_WHEEL (a torch-*+cpu wheel; default: the one in
-# /opt/wheels, if any), LOCUST_USERS (8), LOCUST_RUN_TIME (20s).
+# /opt/wheels, if any), LOCUST_USERS (8), LOCUST_RUN_TIME (20s), PROMETHEUS_WAIT_S (60: how long
+# the target may take to be scraped up).
 set -Eeuo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -25,6 +29,7 @@ STATE=${ATTEND_DOCKER_STATE:-/var/tmp/attend-docker}
 BASE_TAG=attend-local/python:3.11-bookworm-r1   # bump the suffix when the recipe below changes
 COMPOSE_VERSION=5.6.1.0
 export LOCUST_USERS=${LOCUST_USERS:-8} LOCUST_RUN_TIME=${LOCUST_RUN_TIME:-20s}
+PROMETHEUS_WAIT_S=${PROMETHEUS_WAIT_S:-60}
 
 if [ "$(id -u)" != 0 ]; then
     echo "smoke.sh: needs root (it starts dockerd)" >&2
@@ -43,7 +48,7 @@ T_PHASE=$T_ALL
 PHASE=""
 phase() {  # phase NAME: closes the phase in progress, opens the next
     local now; now=$(date +%s)
-    if [ -n "$PHASE" ]; then PHASES+=("$(printf '%-28s %4ds' "$PHASE" $((now - T_PHASE)))"); fi
+    if [ -n "$PHASE" ]; then PHASES+=("$(printf '%-34s %4ds' "$PHASE" $((now - T_PHASE)))"); fi
     PHASE=$1
     T_PHASE=$now
     [ -z "$1" ] || echo "=== $1"
@@ -57,6 +62,7 @@ export DOCKER_CONFIG=$RUN/docker-config      # not the user's ~/.docker
 export DOCKER_BUILDKIT=0                      # the engine's builder, the same with or without buildx
 export COMPOSE_PROJECT_NAME=attend-smoke
 export COMPOSE_FILE=docker-compose.yml:docker-compose.cpu.yml
+ALL_PROFILES=(--profile loadtest --profile monitoring)   # built, and taken down (with Prometheus' volume)
 export ATTEND_BASE_IMAGE=$BASE_TAG
 TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}   # the venv lint.sh uses too
 COMPOSE=$TOOLS/bin/docker-compose
@@ -87,14 +93,14 @@ cleanup() {
     if [ "$rc" != 0 ]; then
         echo "smoke.sh: FAILED in phase '${PHASE}' (exit $rc); logs in $LOGS" >&2
         if [ "$STACK_UP" = 1 ]; then
-            "$COMPOSE" --profile loadtest logs --no-color --tail 40 >"$LOGS/compose-logs.txt" 2>&1
+            "$COMPOSE" "${ALL_PROFILES[@]}" logs --no-color --tail 40 >"$LOGS/compose-logs.txt" 2>&1
             tail -n 40 "$LOGS/compose-logs.txt" >&2
         fi
         [ -f "$LOGS/dockerd.log" ] && tail -n 15 "$LOGS/dockerd.log" >&2
     fi
     if [ "$STACK_UP" = 1 ]; then
         phase "cleanup: compose down"
-        "$COMPOSE" --profile loadtest down --remove-orphans --timeout 30 >>"$LOGS/down.log" 2>&1
+        "$COMPOSE" "${ALL_PROFILES[@]}" down --volumes --remove-orphans --timeout 30 >>"$LOGS/down.log" 2>&1
     fi
     phase "cleanup: stop dockerd"
     stop_dockerd
@@ -103,7 +109,7 @@ cleanup() {
     phase ""
     echo "=== phase times"
     printf '  %s\n' "${PHASES[@]}"
-    printf '  %-28s %4ds\n' "total" $(($(date +%s) - T_ALL))
+    printf '  %-34s %4ds\n' "total" $(($(date +%s) - T_ALL))
     [ "$rc" = 0 ] && echo "smoke.sh: PASSED"
     exit "$rc"
 }
@@ -181,7 +187,7 @@ else
 fi
 
 # ------------------------------------------------------------------------------ 4. build
-phase "build (api, locust)"
+phase "build (api, locust, prometheus)"
 wheels=(/opt/wheels/torch-*+cpu-cp311-*.whl)
 wheel=${TORCH_WHEEL:-${wheels[0]}}
 if [ -n "$wheel" ] && [ -f "$wheel" ]; then
@@ -191,9 +197,9 @@ if [ -n "$wheel" ] && [ -f "$wheel" ]; then
 else
     echo "no local torch wheel: the export stage gets torch from the PyTorch CPU index"
 fi
-timeout 1200 "$COMPOSE" --progress plain --profile loadtest build >"$LOGS/build.log" 2>&1 \
+timeout 1200 "$COMPOSE" --progress plain "${ALL_PROFILES[@]}" build >"$LOGS/build.log" 2>&1 \
     || { tail -n 40 "$LOGS/build.log" >&2; exit 1; }
-docker image ls --format '  {{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'attend(-locust)?:' || true
+docker image ls --format '  {{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'attend(-locust|-prometheus)?:' || true
 # The runtime image must hold no torch.
 docker run --rm --entrypoint python attend:cpu -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
 
@@ -229,7 +235,17 @@ EOF
 provider=$(python3 -c "import json, urllib.request as u; print(json.load(u.urlopen('http://127.0.0.1:$port/models/additive', timeout=10))['provider'])")
 echo "  additive runs on $provider"
 
-# ------------------------------------------------------------------------------ 7. locust
+# ------------------------------------------------------------------------------ 7. prometheus up
+# Up before locust, checked after it: the first scrapes happen while locust runs.
+phase "prometheus: up --build --wait"
+# A free loopback port here too: 9090 may be a developer's own Prometheus.
+prometheus_port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+export PROMETHEUS_PUBLISH=127.0.0.1:$prometheus_port
+"$COMPOSE" --profile monitoring up -d --build --wait --wait-timeout 120 prometheus >"$LOGS/prometheus-up.log" 2>&1 \
+    || { tail -n 40 "$LOGS/prometheus-up.log" >&2; "$COMPOSE" --profile monitoring logs --tail 30 prometheus >&2; exit 1; }
+"$COMPOSE" --profile monitoring ps --format '  {{.Name}} {{.Status}} {{.Ports}}' prometheus
+
+# ------------------------------------------------------------------------------ 8. locust
 phase "locust ($LOCUST_USERS users, $LOCUST_RUN_TIME)"
 set +e
 timeout 600 "$COMPOSE" --profile loadtest run --rm locust >"$LOGS/locust.log" 2>&1
@@ -245,14 +261,62 @@ fi
 requests=$(awk '{print $2}' <<<"$aggregated")
 [ "${requests:-0}" -gt 0 ] || { echo "locust made no request" >&2; exit 1; }
 
-# ------------------------------------------------------------------------------ 8. stop, down
+# ------------------------------------------------------------------------------ 9. prometheus check
+phase "prometheus: target, rules, query"
+python3 - "http://$PROMETHEUS_PUBLISH" "$PROMETHEUS_WAIT_S" deploy/prometheus/alerts.yml <<'EOF'
+import json, re, sys, time, urllib.parse, urllib.request
+base, wait_s, alerts = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+
+def get(path, **params):
+    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.load(response)
+    assert body.get("status") == "success", (url, body)
+    return body["data"]
+
+# The group names of alerts.yml (no YAML parser on the host: `  - name: X` under `groups:`).
+groups = re.findall(r"^  - name: *([^\s#]+)", open(alerts).read(), re.M)
+assert groups, f"no group names in {alerts}"
+deadline = time.monotonic() + wait_s
+while True:
+    targets = [t for t in get("/api/v1/targets")["activeTargets"] if t["labels"].get("job") == "attend"]
+    health = [(t["scrapeUrl"], t["health"], t.get("lastError")) for t in targets]
+    if targets and all(t["health"] == "up" for t in targets):
+        break
+    if time.monotonic() > deadline:
+        sys.exit(f"the attend target is not up after {wait_s:.0f} s: {health}")
+    time.sleep(1)
+print(f"  targets: {health}")
+loaded = {g["name"]: g for g in get("/api/v1/rules")["groups"]}
+missing = [g for g in groups if g not in loaded]
+if missing:
+    sys.exit(f"rule groups {missing} of {alerts} not loaded; loaded: {sorted(loaded)}")
+for name in groups:
+    rules = loaded[name]["rules"]
+    unhealthy = [(r["name"], r.get("lastError")) for r in rules if r.get("health") not in ("ok", "unknown")]
+    print(f"  rule group {name}: {len(rules)} rules" + (f", unhealthy: {unhealthy}" if unhealthy else ""))
+    if unhealthy:
+        sys.exit(f"rules failing in group {name}: {unhealthy}")
+while True:  # the target is up: its first scrape's samples are queryable (a moment for the TSDB)
+    result = get("/api/v1/query", query='attend_ready{job="attend"}')["result"]
+    if result or time.monotonic() > deadline + 15:
+        break
+    time.sleep(1)
+if not result:
+    sys.exit("attend_ready{job=\"attend\"}: no series")
+print("  attend_ready: " + ", ".join(f"{r['metric'].get('instance')}={r['value'][1]}" for r in result))
+if not all(r["value"][1] == "1" for r in result):
+    sys.exit(f"attend_ready is not 1: {result}")
+EOF
+
+# ------------------------------------------------------------------------------ 10. stop, down
 phase "graceful stop, down"
 api=$("$COMPOSE" ps -q api)
 "$COMPOSE" stop --timeout 30 api >"$LOGS/down.log" 2>&1
 exit_code=$(docker inspect --format '{{.State.ExitCode}}' "$api")
 echo "  api stopped with exit code $exit_code"
 [ "$exit_code" = 0 ] || { "$COMPOSE" logs --tail 20 api >&2; exit 1; }
-"$COMPOSE" --profile loadtest down --remove-orphans --timeout 30 >>"$LOGS/down.log" 2>&1
+"$COMPOSE" "${ALL_PROFILES[@]}" down --volumes --remove-orphans --timeout 30 >>"$LOGS/down.log" 2>&1
 STACK_UP=0
 # Dangling images older than a week (the classic builder's stage caches of older builds).
 docker image prune -f --filter until=168h >/dev/null
