@@ -299,16 +299,17 @@ class InferCodec:
             split = _split(headers, body)
             commas, brackets = json_counts(body[:split])
             cost.decoding(json_decode(split, commas, brackets))  # its binary tensors: _tensor
-            return self.decode_for(model, headers, body, core.limits, cost)
+            return self.decode_for(model, headers, body, core.limits, cost, split)
         except ServiceError as e:
             e.model = model.name
             raise
 
     def decode_for(self, model: LoadedModel, headers: Headers, body: bytes | memoryview, limits: RequestLimits,
-                   cost: Cost | None = None) -> tuple[Request, Encoder]:
+                   cost: Cost | None = None, split: int | None = None) -> tuple[Request, Encoder]:
         """The request for `model` (resolved already) from the body; its binary tensors' casts and copies
-        counted in `cost`."""
-        split = _split(headers, body)
+        counted in `cost`. `split`: where its JSON header ends, where the caller knows it already."""
+        if split is None:
+            split = _split(headers, body)
         try:
             head = simdjson.Parser().parse(body[:split] if split < len(body) else body)
         except (ValueError, RuntimeError, UnicodeDecodeError) as e:

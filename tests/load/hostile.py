@@ -37,7 +37,7 @@ from tests.service.test_overload import (  # noqa: E402
 )
 
 ROWS: list[tuple[str, str, str]] = []
-# What deploy/kubernetes/attend.yaml sets (tests/deploy/check_manifests.py holds them equal).
+# The budget deploy/kubernetes/attend.yaml sets (320 MiB), so that its burst row sizes that Deployment.
 K8S_BUDGET_MIB = 320
 
 
