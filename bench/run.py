@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
                             port, proc = running[name]
                             print(f"[{rnd + 1}/{args.rounds}] {row} c={c} {name} ...", file=sys.stderr)
                             index = pools[row]["index"]
-                            if args.warmup > 0:
+                            if args.warmup > 0 and rnd == 0:  # the first round warms each server up
                                 measure(transport.client, port, index, c, args.warmup)
                             cpu_before = cpu_seconds(proc.pid)
                             point = measure(transport.client, port, index, c, args.duration)
@@ -278,10 +278,12 @@ def render(results: dict) -> tuple[list[str], list[str]]:
               f"whole run; the load generator (wrk with bench/pool.lua, one thread a connection) on core "
               f"{settings['load_cpu']}, a different body of the row's pool a request, each request timed. "
               f"{settings['rounds']} rounds, the servers alternating point by point (the order swapped every "
-              f"other round); {settings['warmup_s']:g} s of warm-up then {settings['duration_s']:g} s a point. "
+              f"other round); {settings['duration_s']:g} s a point, after {settings['warmup_s']:g} s of warm-up in the "
+              "first round. "
               "Figures are medians over the rounds; x plain is the median of the per-round ratios of the "
               "service's figure to the plain server's measured beside it (listed under per round); "
-              "p99 x plain below 1 is a shorter tail than the plain server's. The run took "
+              "p99 x plain below 1 is a shorter tail than the plain server's. CPU us / req: the server "
+              "process's user + system time over the point, a request. The run took "
               f"{results['minutes']:g} min.")
     section = [method, "", *legend, "",
                "- plain: bench/plain_server.py, the ~50-line FastAPI server a user could write instead (orjson, "
@@ -313,7 +315,8 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds a point (whole seconds)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each point (0: none)")
+    parser.add_argument("--warmup", type=float, default=1.0,
+                        help="seconds of load before each point of the first round (0: none)")
     parser.add_argument("--servers", default="plain,service",
                         help="plain, service, service-nobatch (the service with ATTEND_BATCHING=false)")
     parser.add_argument("--seed", type=int, default=SEED, help="the pools' seed")
