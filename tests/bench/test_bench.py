@@ -125,6 +125,10 @@ def test_the_load_generator_sends_a_different_body_a_request_and_times_each(tmp_
     assert len(seen) >= point.requests  # requests in flight at the end are served but not timed
     assert set(seen) == sent  # every body of the pool, nothing else
     assert (point.latencies_us > 0).all() and point.percentile(99) >= point.percentile(50) > 0
+    # The times cover each connection's whole cycle (Little's law), the client's own gaps aside.
+    busy = point.latencies_us.sum() / 1e6 / (point.seconds * 4)
+    print(f"busy fraction {busy:.3f}")
+    assert 0.6 < busy < 1.05
 
 
 @needs_wrk
