@@ -310,10 +310,10 @@ def report(results: dict, out: Path | None, readme: Path | None) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+    parser.add_argument("--rows", "--workloads", default=",".join(DEFAULT_ROWS),
                         help=f"rows to measure (default: all): {', '.join(f'{k}' for k in ROWS)}")
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", "--repeat", type=int, default=3)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds a point (whole seconds)")
     parser.add_argument("--warmup", type=float, default=1.0,
                         help="seconds of load before each point of the first round (0: none)")
