@@ -52,6 +52,7 @@ def registry(repository):
     return Registry.load(repository, "cpu", 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", VARIED)
 def test_every_body_form_of_each_pool_is_served(name, registry):
     """The first bodies of each varied pool (the run's own, same seed), through the service's codec and
@@ -131,6 +132,7 @@ def test_the_load_generator_sends_a_different_body_a_request_and_times_each(tmp_
     assert 0.6 < busy < 1.05
 
 
+@pytest.mark.slow
 @needs_wrk
 def test_the_service_answers_each_pool_under_the_load_generator(tmp_path, repository):
     """A short point of each transport against the real service: every answer a 200."""
