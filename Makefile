@@ -92,9 +92,12 @@ test-ray: install-ray  ## the Ray Serve tests (a local Ray cluster; `ray stop` a
 lint: install
 	$(LINT)
 
-bench: install $(REPOSITORY)  ## wrk against the service vs the in-process limit; writes docs/benchmarks.md
+# BENCH_ARGS: e.g. "--rounds 1 --duration 2" for a shorter run, "--rows W1,W3,W1r" for some rows.
+BENCH_ARGS ?=
+bench: install $(REPOSITORY)  ## the service vs the plain server on varied bodies (wrk); writes docs/benchmarks.md, README
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
-	$(PY) bench/run.py --repository $(REPOSITORY) --duration 8 --repeat 3 --out docs/benchmarks.md
+	$(PY) bench/run.py --repository $(REPOSITORY) --rounds 3 --duration 3 $(BENCH_ARGS) \
+		--results docs/benchmarks.json --out docs/benchmarks.md --readme README.md
 
 perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (binary tensors, W2, a concurrency sweep)
 	bash bench/perf_analyzer.sh --concurrency "1 2 4 8 16"

@@ -6,8 +6,10 @@ few percent, so the median of the per-round ratios is what to compare.
     python bench/ab.py /path/to/other/checkout . [--workloads W1,W3] [--concurrency 16,1] [--rounds 6]
     python bench/ab.py . ".+ATTEND_MAX_BATCH_WAIT_US=0"          (a setting against the default)
 
-Workloads are bench/run.py's (W1, W2, W3), and W2bin: W2 through the Open Inference Protocol in
-binary tensors (`POST /v2/models/dot_product/infer`).
+Workloads are bench/run.py's rows (bench/pools.py): W1-W7 pools of varied bodies (a different body a
+request, made once and sent to every server), W2bin W2's pool through the Open Inference Protocol in
+binary tensors, W1r-W3r one body replayed (what this script measured before 2026-11-25). The load
+generator is bench/loadgen.py's (wrk with bench/pool.lua): every request timed, p50 and p99 from them.
 
 Each SERVER is a checkout of this repository (`git worktree add /tmp/base <commit>`), optionally
 followed by `+NAME=VALUE,...` service settings. Every server uses this checkout's virtual
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run import PIN, binary_request, service_env, workloads, wrk  # noqa: E402
+from loadgen import measure  # noqa: E402
+from pools import ROWS, SEED, TRANSPORTS, make_pools  # noqa: E402
+from run import PIN, cpu_seconds, service_env  # noqa: E402
 
 from tests.server import running_service  # noqa: E402
 
@@ -37,27 +41,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("servers", nargs="+", metavar="SERVER")
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--workloads", default="W1,W3")
+    parser.add_argument("--workloads", default="W1,W3", help=f"rows: {', '.join(ROWS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--seconds", type=float, default=3.0, help="per point")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per point (whole seconds)")
+    parser.add_argument("--seed", type=int, default=SEED, help="the pools' seed")
     args = parser.parse_args()
     if len(args.servers) < 2:
         parser.error("two servers at least")
     wanted = args.workloads.split(",")
+    unknown = [w for w in wanted if w not in ROWS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; known: {', '.join(ROWS)}")
     tmp = Path(tempfile.mkdtemp(prefix="attend-ab-"))
-    # name -> (body file, path, binary header length)
-    bodies: dict[str, tuple[Path, str, int | None]] = {}
-    for name, (_, body) in workloads().items():
-        if name in wanted:
-            bodies[name] = (tmp / f"{name}.json", "/attend", None)
-            bodies[name][0].write_bytes(json.dumps(body).encode())
-        if name == "W2" and "W2bin" in wanted:
-            binary, header_length = binary_request(body)
-            bodies["W2bin"] = (tmp / "W2.bin", "/v2/models/dot_product/infer", header_length)
-            bodies["W2bin"][0].write_bytes(binary)
+    pools = make_pools(tmp, wanted, args.seed)
     measured: dict[tuple[str, int, str], list[dict]] = {}
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp)
         servers = []
         for spec in args.servers:
             tree, _, settings = spec.partition("+")
@@ -66,17 +66,22 @@ def main() -> int:
             url, proc = stack.enter_context(running_service(args.repository, prefix=PIN, command=command,
                                                              **service_env(True, extra)))
             servers.append((spec, int(url.rsplit(":", 1)[1]), proc))
-        for name, (path, url_path, header_length) in bodies.items():
+        for name in wanted:
+            client, index = TRANSPORTS[ROWS[name][1]].client, pools[name]["index"]
             for c in (int(c) for c in args.concurrency.split(",")):
                 for _, port, _ in servers:
-                    wrk(port, path, c, 1, None, url_path, header_length)  # warm-up
+                    measure(client, port, index, c, 1)  # warm-up
                 for r in range(args.rounds):
                     for spec, port, proc in servers if r % 2 == 0 else servers[::-1]:
                         print(f"[{r + 1}/{args.rounds}] {name} c={c} {spec} ...", file=sys.stderr)
-                        result = wrk(port, path, c, args.seconds, proc.pid, url_path, header_length)
-                        if result["non_2xx"] or result["timeout"] or result["read"] or result["connect"]:
-                            raise RuntimeError(f"{name} c={c} {spec}: errors {result}")
-                        measured.setdefault((name, c, spec), []).append(result)
+                        cpu_before = cpu_seconds(proc.pid)
+                        point = measure(client, port, index, c, args.seconds)
+                        if not point.ok:
+                            raise RuntimeError(f"{name} c={c} {spec}: {point.failed} failed {point.statuses}, "
+                                               f"errors {point.errors}")
+                        measured.setdefault((name, c, spec), []).append({
+                            "rps": point.rps, "p50_ms": point.percentile(50), "p99_ms": point.percentile(99),
+                            "cpu_us": 1e6 * (cpu_seconds(proc.pid) - cpu_before) / point.requests})
     print("| workload | concurrency | server | req/s | p50 ms | p99 ms | CPU us / request | x first (paired, median) | "
           "per round |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -84,8 +89,8 @@ def main() -> int:
         base = measured[(name, c, args.servers[0])]
         ratios = [r["rps"] / b["rps"] for r, b in zip(runs, base, strict=True)]
         print(f"| {name} | {c} | {spec} | {statistics.median(r['rps'] for r in runs):.0f} | "
-              f"{statistics.median(r['p50_us'] for r in runs) / 1e3:.2f} | "
-              f"{statistics.median(r['p99_us'] for r in runs) / 1e3:.2f} | "
+              f"{statistics.median(r['p50_ms'] for r in runs):.2f} | "
+              f"{statistics.median(r['p99_ms'] for r in runs):.2f} | "
               f"{statistics.median(r['cpu_us'] for r in runs):.0f} | {statistics.median(ratios):.3f} | "
               + " ".join(f"{x:.2f}" for x in ratios) + " |")
     return 0

@@ -2,7 +2,8 @@
 
 A FastAPI route reading the raw body, orjson.loads, np.asarray(float32), session.run on the same ONNX
 models (one intra-op thread), orjson.dumps with NumPy support; one uvicorn worker; no checks at all (a
-bad request is a 500), no limits, no metrics, no batching.
+bad request is a 500), no limits, no metrics, no batching. It serves every model of the repository:
+the graph's inputs from the body's fields of the same names, absent or 1-D valid lengths made 2-D.
 
     PLAIN_REPOSITORY=model_repository uvicorn bench.plain_server:app --port 8001
 """
@@ -18,12 +19,14 @@ from fastapi import FastAPI, Request, Response
 
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
-sessions = {}
+sessions, inputs, outputs = {}, {}, {}
 for folder in Path(os.environ.get("PLAIN_REPOSITORY", "model_repository")).iterdir():
     if (folder / "config.json").exists():
         config = json.loads((folder / "config.json").read_text())
         sessions[config["name"]] = ort.InferenceSession(str(folder / config["model_file"]), options,
                                                         providers=["CPUExecutionProvider"])
+        inputs[config["name"]] = {i.name for i in sessions[config["name"]].get_inputs()}
+        outputs[config["name"]] = [o.name for o in sessions[config["name"]].get_outputs()]
 app = FastAPI()
 
 
@@ -31,16 +34,15 @@ app = FastAPI()
 async def attend(request: Request) -> Response:
     data = orjson.loads(await request.body())
     name = data.get("model", "dot_product")
-    queries = np.asarray(data["queries"], dtype=np.float32)
-    feed = {"queries": queries}
-    if "keys" in data:
-        feed["keys"] = np.asarray(data["keys"], dtype=np.float32)
-        feed["values"] = np.asarray(data["values"], dtype=np.float32)
-    n_k = feed.get("keys", queries).shape[1]
-    lens = np.asarray(data.get("valid_lens") or [n_k] * len(queries), dtype=np.int64)
-    if lens.ndim == 1:  # the graph takes one length per query
-        lens = np.repeat(lens[:, None], queries.shape[1], axis=1)
-    feed["valid_lens"] = lens
-    outputs, weights = sessions[name].run(None, feed)
-    return Response(orjson.dumps({"model": name, "outputs": outputs, "attention_weights": weights},
-                                 option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+    wanted = inputs[name]
+    feed = {k: np.asarray(data[k], dtype=np.float32) for k in ("queries", "keys", "values", "scores") if k in wanted}
+    if "valid_lens" in wanted:
+        first = feed["scores"] if "scores" in feed else feed["queries"]
+        n_k = first.shape[2] if "scores" in feed else feed.get("keys", first).shape[1]
+        lens = np.asarray(data.get("valid_lens") or [n_k] * len(first), dtype=np.int64)
+        if lens.ndim == 1:  # the graph takes one length per query
+            lens = np.repeat(lens[:, None], first.shape[1], axis=1)
+        feed["valid_lens"] = lens
+    answer = dict(zip(outputs[name], sessions[name].run(None, feed), strict=True))
+    return Response(orjson.dumps({"model": name, **answer}, option=orjson.OPT_SERIALIZE_NUMPY),
+                    media_type="application/json")

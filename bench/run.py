@@ -1,17 +1,30 @@
-"""Benchmark: the service over HTTP (wrk, a separate process on another core), batching on and off,
-against the plain server a user could write instead (bench/plain_server.py) and against the same
-work done in-process (JSON decode + session run + JSON encode, no HTTP).
+"""`make bench`: the service against the plain server a user could write instead (bench/plain_server.py),
+on pools of varied bodies, over HTTP, from outside.
 
-    python bench/run.py [--duration 10] [--repeat 3] [--out docs/benchmarks.md]      (make bench)
+    python bench/run.py [--rounds 3] [--duration 3] [--rows W1,W3,W1r] [--results docs/benchmarks.json]
+                        [--out docs/benchmarks.md] [--readme README.md]                        (make bench)
+    python bench/run.py --report docs/benchmarks.json --out docs/benchmarks.md --readme README.md
 
-Prints a markdown table: requests/s, p50 and p99 latency, the server's CPU time per request, and
-each row's throughput as a multiple of the plain server's and of the in-process limit. Every server
-is pinned to core 0 with one ONNX Runtime thread, wrk to core 1.
+What it sends (bench/pools.py): for each kind the default repository serves, a pool of bodies drawn
+from a seeded RNG (values, valid-length forms, shapes), made once a run and sent to both servers; and
+three bodies replayed (rows W1r-W3r, what this benchmark measured before). The load generator
+(bench/loadgen.py: wrk with bench/pool.lua, one thread a connection, pinned to core 1) sends a
+different body a request and times each request. Both servers run for the whole run, each pinned to
+core 0 with one ONNX Runtime thread (the one measured alone has the core: the other is idle); they
+alternate point by point: in round r, for each row and concurrency, the plain server then the service,
+the other way round in odd rounds. It prints, for each row and concurrency, medians over the rounds of
+requests/s, p50 and p99 (of every request's time), the server's CPU time a request, and the service's
+throughput and p99 as multiples of the plain server's (the median of the per-round ratios).
+
+The results go to a JSON file (--results); the report (tables, the run's date, machine and command)
+is written from it into the marked sections of --out and --readme (`<!-- bench -->`,
+`<!-- bench-ratios -->`), at the end of a run or later with --report.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -29,54 +42,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.core.runtime import Registry  # noqa: E402
-from service.http.schemas import toy_request  # noqa: E402
-from service.protocols.attend import attend  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+
+from loadgen import LOAD_CPU, measure  # noqa: E402
+from pools import DEFAULT_ROWS, ROWS, SEED, TRANSPORTS, WORKLOADS, make_pools, v2_binary  # noqa: E402
+
+from tests.load.report import write_section  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
-SERVER_CPU, LOAD_CPU = 0, 1
+SERVER_CPU = 0
 PIN = ("taskset", "-c", str(SERVER_CPU))
 LABELS = {"plain": "plain", "on": "service", "off": "service, batching off"}
+SERVERS = {"plain": "plain", "service": "on", "service-nobatch": "off"}
 
 
 def workloads() -> dict[str, tuple[str, dict]]:
-    rng = np.random.default_rng(0)
-    X = np.ones((2, 4, 100))
-    w2 = {
-        "model": "dot_product",
-        "queries": rng.normal(size=(8, 128, 64)).astype(np.float32).tolist(),
-        "keys": rng.normal(size=(8, 128, 64)).astype(np.float32).tolist(),
-        "values": rng.normal(size=(8, 128, 64)).astype(np.float32).tolist(),
-        "valid_lens": rng.integers(1, 129, size=8).tolist(),
-    }
-    return {
-        "W1": ("additive, the book's toy request (2 x 1 x 20 queries, 2 x 10 keys)", toy_request()),
-        "W2": ("dot_product, 8 x 128 queries x 128 keys x 64 features, random 1-D valid lengths", w2),
-        "W3": ("multi_head, the book's example (2 x 4 x 100, valid lengths [3, 2])",
-               {"model": "multi_head", "queries": (X[:, :4]).tolist(), "keys": np.ones((2, 6, 100)).tolist(),
-                "values": np.ones((2, 6, 100)).tolist(), "valid_lens": [3, 2]}),
-    }
-
-
-def in_process(repository: Path, bodies: dict[str, bytes], seconds: float) -> dict[str, dict]:
-    """Decode + run + encode in this process, one core, one ORT thread: the limit."""
-    os.sched_setaffinity(0, {SERVER_CPU})
-    registry = Registry.load(repository, "cpu", 1)
-    results = {}
-    for name, body in bodies.items():
-        for _ in range(20):
-            attend(body, registry)
-        latencies = []
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            start = time.perf_counter()
-            attend(body, registry)
-            latencies.append(time.perf_counter() - start)
-        latencies.sort()
-        results[name] = {"rps": len(latencies) / sum(latencies), "p50_ms": 1e3 * statistics.median(latencies),
-                         "p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))]}
-    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    return results
+    """The replayed bodies (W1-W3 of the scripts that import this: bench/ab.py's --replayed, breakdown.py,
+    http_floor.py, ...): name -> (description, body)."""
+    return {name: (WORKLOADS[f"{name}r"].text, WORKLOADS[f"{name}r"].bodies()[0]) for name in ("W1", "W2", "W3")}
 
 
 def service_env(batching: bool, extra: dict[str, str]) -> dict[str, str]:
@@ -106,14 +89,8 @@ def cpu_seconds(pid: int) -> float:
 
 def binary_request(body: dict) -> tuple[bytes, int]:
     """An /attend body as an Open Inference Protocol binary request: (body, JSON header length)."""
-    entries, blobs = [], []
-    for name in ("queries", "keys", "values", "valid_lens"):
-        array = np.array(body[name], dtype=np.int64 if name == "valid_lens" else np.float32)
-        entries.append({"name": name, "datatype": "INT64" if name == "valid_lens" else "FP32",
-                        "shape": list(array.shape), "parameters": {"binary_data_size": array.nbytes}})
-        blobs.append(array.tobytes())
-    head = json.dumps({"inputs": entries, "parameters": {"binary_data_output": True}}).encode()
-    return head + b"".join(blobs), len(head)
+    _, content, header_length = v2_binary(body)
+    return content, header_length
 
 
 def wrk(port: int, body_file: Path, connections: int, seconds: float, pid: int | None = None,
@@ -141,116 +118,230 @@ def machine() -> str:
             f"onnxruntime {onnxruntime.__version__} (CPU execution provider), numpy {np.__version__}; {wrk_version}")
 
 
+def point_record(row: str, c: int, server: str, rnd: int, point, cpu_us: float) -> dict:
+    timed = point.requests > 0  # else no percentiles (null in the file)
+    return {"row": row, "concurrency": c, "server": server, "round": rnd, "requests": point.requests,
+            "seconds": round(point.seconds, 3), "rps": round(point.rps, 1),
+            "p50_ms": round(point.percentile(50), 3) if timed else None,
+            "p99_ms": round(point.percentile(99), 3) if timed else None, "cpu_us": round(cpu_us, 1) if timed else None}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The measurement: every row at every concurrency, each server alternately, over rounds."""
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    servers = args.servers.split(",")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    extra = dict(s.split("=", 1) for s in args.set)
+    tmp = Path(tempfile.mkdtemp(prefix="attend-bench-"))
+    started = datetime.datetime.now(datetime.UTC)
+    clock = time.monotonic()
+    print(f"pools of bodies (seed {args.seed}) ...", file=sys.stderr)
+    pools = make_pools(tmp, rows, args.seed)
+    points = []
+    try:
+        with contextlib.ExitStack() as stack:
+            running = {}
+            for name in servers:  # every server up for the whole run, each pinned to the server core
+                url, proc = stack.enter_context(server(SERVERS[name], args.repository, extra))
+                running[name] = (int(url.rsplit(":", 1)[1]), proc)
+            for rnd in range(args.rounds):
+                for row in rows:
+                    transport = TRANSPORTS[ROWS[row][1]]
+                    for c in concurrency:
+                        order = servers if rnd % 2 == 0 else servers[::-1]
+                        for name in order:
+                            if name == "plain" and not transport.plain:
+                                continue
+                            port, proc = running[name]
+                            print(f"[{rnd + 1}/{args.rounds}] {row} c={c} {name} ...", file=sys.stderr)
+                            index = pools[row]["index"]
+                            if args.warmup > 0 and rnd == 0:  # the first round warms each server up
+                                measure(transport.client, port, index, c, args.warmup)
+                            cpu_before = cpu_seconds(proc.pid)
+                            point = measure(transport.client, port, index, c, args.duration)
+                            cpu_us = 1e6 * (cpu_seconds(proc.pid) - cpu_before) / max(point.requests, 1)
+                            if not point.ok:
+                                raise RuntimeError(f"{row} c={c} {name}: {point.failed} failed {point.statuses}, "
+                                                   f"errors {point.errors}")
+                            points.append(point_record(row, c, name, rnd, point, cpu_us))
+    finally:
+        shutil.rmtree(tmp)
+    return {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "minutes": round((time.monotonic() - clock) / 60, 1),
+        "command": " ".join(["python bench/run.py", *sys.argv[1:]]),
+        "machine": machine(),
+        "settings": {"rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup,
+                     "concurrency": concurrency, "servers": servers, "seed": args.seed, "server_cpu": SERVER_CPU,
+                     "load_cpu": LOAD_CPU, "service_settings": extra},
+        "rows": {row: {"workload": ROWS[row][0], "transport": ROWS[row][1], "text": WORKLOADS[ROWS[row][0]].text,
+                       "transport_text": TRANSPORTS[ROWS[row][1]].text,
+                       "replayed": WORKLOADS[ROWS[row][0]].replayed, "bodies": pools[row]["bodies"],
+                       "median_bytes": pools[row]["median_bytes"]} for row in rows},
+        "points": points,
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarise(results: dict) -> list[dict]:
+    """For each row and concurrency: medians over rounds for each server, and the service's paired
+    per-round ratios to the plain server (the plain server's JSON row of the same workload where the
+    plain server does not speak the row's transport)."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for p in results["points"]:
+        by_key.setdefault((p["row"], p["concurrency"], p["server"]), {})[p["round"]] = p
+    out = []
+    for row, info in results["rows"].items():
+        plain_row = row if TRANSPORTS[info["transport"]].plain else info["workload"]
+        for c in results["settings"]["concurrency"]:
+            plain = by_key.get((plain_row, c, "plain"), {})
+            entry = {"row": row, "concurrency": c, "plain_row": plain_row, "servers": {}}
+            for name in results["settings"]["servers"]:
+                runs = by_key.get((row if name != "plain" else plain_row, c, name), {})
+                if not runs:
+                    continue
+                med = {k: _median([r[k] for r in runs.values() if r[k] is not None])
+                       for k in ("rps", "p50_ms", "p99_ms", "cpu_us")}
+                if name != "plain" and plain:
+                    paired = [(r, plain[n]) for n, r in sorted(runs.items())  # rounds where both answered
+                              if n in plain and r["requests"] and plain[n]["requests"]]
+                    if not paired:
+                        entry["servers"][name] = med
+                        continue
+                    med["x_plain"] = _median([r["rps"] / b["rps"] for r, b in paired])
+                    med["x_plain_rounds"] = [round(r["rps"] / b["rps"], 2) for r, b in paired]
+                    med["p99_x_plain"] = _median([r["p99_ms"] / b["p99_ms"] for r, b in paired])
+                entry["servers"][name] = med
+            out.append(entry)
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def render(results: dict) -> tuple[list[str], list[str]]:
+    """(docs/benchmarks.md's section, README's short table) from a results file."""
+    summary = summarise(results)
+    settings = results["settings"]
+    servers = [s for s in settings["servers"] if s != "plain"]
+    head = ["| row | bodies | c | plain req/s | " + " | ".join(f"{s} req/s | x plain | per round" for s in servers)
+            + " | plain p50 ms | " + " | ".join(f"{s} p50 ms" for s in servers) + " | plain p99 ms | "
+            + " | ".join(f"{s} p99 ms | p99 x plain" for s in servers) + " | plain CPU us / req | "
+            + " | ".join(f"{s} CPU us / req" for s in servers) + " |"]
+    cols = head[0].count("|") - 1
+    head.append("| --- | --- |" + " ---: |" * (cols - 2))
+    lines = list(head)
+    for e in summary:
+        info = results["rows"][e["row"]]
+        plain = e["servers"].get("plain", {})
+        cells = [e["row"], "replayed" if info["replayed"] else f"{info['bodies']} varied", str(e["concurrency"]),
+                 _fmt(plain.get("rps"), ".0f") + ("" if e["plain_row"] == e["row"] else f" ({e['plain_row']})")]
+        for s in servers:
+            m = e["servers"].get(s, {})
+            cells += [_fmt(m.get("rps"), ".0f"), _fmt(m.get("x_plain"), ".2f") + "x" if "x_plain" in m else "-",
+                      " ".join(f"{x:.2f}" for x in m.get("x_plain_rounds", [])) or "-"]
+        cells.append(_fmt(plain.get("p50_ms"), ".2f"))
+        cells += [_fmt(e["servers"].get(s, {}).get("p50_ms"), ".2f") for s in servers]
+        cells.append(_fmt(plain.get("p99_ms"), ".2f"))
+        for s in servers:
+            m = e["servers"].get(s, {})
+            cells += [_fmt(m.get("p99_ms"), ".2f"),
+                      _fmt(m.get("p99_x_plain"), ".2f") + "x" if "p99_x_plain" in m else "-"]
+        cells.append(_fmt(plain.get("cpu_us"), ".0f"))
+        cells += [_fmt(e["servers"].get(s, {}).get("cpu_us"), ".0f") for s in servers]
+        lines.append("| " + " | ".join(cells) + " |")
+
+    concurrency = settings["concurrency"]
+    ratios = ["| row | " + " | ".join(f"x plain c={c}" for c in concurrency) + " | "
+              + " | ".join(f"p99 x plain c={c}" for c in concurrency) + " |",
+              "| --- |" + " ---: |" * (2 * len(concurrency))]
+    for row, info in results["rows"].items():
+        found = {e["concurrency"]: e["servers"].get("service", {}) for e in summary if e["row"] == row}
+        label = f"{row}: {info['text']}" + ("" if info["transport"] == "json" else f"; {info['transport_text']}")
+        ratios.append(f"| {label} | " + " | ".join(
+            f"{found[c]['x_plain']:.2f}x" if "x_plain" in found.get(c, {}) else "-" for c in concurrency) + " | "
+            + " | ".join(f"{found[c]['p99_x_plain']:.2f}x" if "p99_x_plain" in found.get(c, {}) else "-"
+                         for c in concurrency) + " |")
+
+    legend = [f"- {row}: {info['text']}" + ("" if info["replayed"] else f"; a pool of {info['bodies']} bodies, "
+                                                                          f"median {info['median_bytes']} bytes")
+              + ("" if info["transport"] == "json" else f"; sent as {info['transport_text']}")
+              for row, info in results["rows"].items()]
+    method = (f"Each server pinned to core {settings['server_cpu']} with one ONNX Runtime thread, both up for the "
+              f"whole run; the load generator (wrk with bench/pool.lua, one thread a connection) on core "
+              f"{settings['load_cpu']}, a different body of the row's pool a request, each request timed. "
+              f"{settings['rounds']} rounds, the servers alternating point by point (the order swapped every "
+              f"other round); {settings['duration_s']:g} s a point, after {settings['warmup_s']:g} s of warm-up in the "
+              "first round. "
+              "Figures are medians over the rounds; x plain is the median of the per-round ratios of the "
+              "service's figure to the plain server's measured beside it (listed under per round); "
+              "p99 x plain below 1 is a shorter tail than the plain server's. CPU us / req: the server "
+              "process's user + system time over the point, a request. The run took "
+              f"{results['minutes']:g} min.")
+    section = [method, "", *legend, "",
+               "- plain: bench/plain_server.py, the ~50-line FastAPI server a user could write instead (orjson, "
+               "NumPy, the same ONNX models, no checks, no batching); a row the plain server does not speak "
+               "compares with its JSON row (named in brackets)",
+               "- service: `python -m service` at its defaults (access log on)"
+               + ("; service-nobatch: the same with `ATTEND_BATCHING=false`" if "service-nobatch" in servers else ""),
+               "", "The service's throughput and p99 as multiples of the plain server's:", "", *ratios, "",
+               "Every server, medians over the rounds:", "", *lines]
+    readme = ["The service's throughput and p99 latency as multiples of the plain server's (medians over "
+              f"{settings['rounds']} rounds; docs/benchmarks.md has the whole table):", "", *ratios]
+    return section, readme
+
+
+def report(results: dict, out: Path | None, readme: Path | None) -> None:
+    section, short = render(results)
+    where = results["machine"]
+    if out:
+        write_section(out, "bench", section, stamp=results["date"], command=results["command"], where=where)
+    if readme:
+        write_section(readme, "bench-ratios", short, stamp=results["date"], command=results["command"], where=where)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measured point")
-    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each point")
+    parser.add_argument("--rows", "--workloads", default=",".join(DEFAULT_ROWS),
+                        help=f"rows to measure (default: all): {', '.join(f'{k}' for k in ROWS)}")
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--workloads", default="W1,W2,W3")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="measure every point this many times, batching on and off alternating; report medians")
+    parser.add_argument("--rounds", "--repeat", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds a point (whole seconds)")
+    parser.add_argument("--warmup", type=float, default=1.0,
+                        help="seconds of load before each point of the first round (0: none)")
+    parser.add_argument("--servers", default="plain,service",
+                        help="plain, service, service-nobatch (the service with ATTEND_BATCHING=false)")
+    parser.add_argument("--seed", type=int, default=SEED, help="the pools' seed")
     parser.add_argument("--set", action="append", default=[], metavar="ATTEND_X=V",
                         help="a service setting for every run (repeatable)")
-    parser.add_argument("--out", type=Path, help="also write the table (with the machine) to this markdown file")
+    parser.add_argument("--results", type=Path, help="write the results (JSON) here")
+    parser.add_argument("--report", type=Path, metavar="RESULTS",
+                        help="measure nothing: write the report of this results file into --out and --readme")
+    parser.add_argument("--out", type=Path, help="a markdown file with a <!-- bench --> section (docs/benchmarks.md)")
+    parser.add_argument("--readme", type=Path, help="a markdown file with a <!-- bench-ratios --> section (README.md)")
     args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        print("wrk is needed: apt-get install wrk", file=sys.stderr)
-        return 2
-    if (os.cpu_count() or 1) < 2:
-        print("warning: one core; server and load generator share it", file=sys.stderr)
-
-    work = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}
-    tmp = Path(tempfile.mkdtemp(prefix="attend-bench-"))
-    bodies = {}
-    for name, (_, body) in work.items():
-        bodies[name] = json.dumps(body).encode()
-        (tmp / f"{name}.json").write_bytes(bodies[name])
-    if "W2" in work:  # the same request through the Open Inference Protocol's binary tensors
-        binary, header_length = binary_request(work["W2"][1])
-        (tmp / "W2.bin").write_bytes(binary)
-    print(f"in-process limit ({args.duration:.0f} s per workload) ...", file=sys.stderr)
-    limit = in_process(args.repository, bodies, args.duration)
-
-    concurrency = [int(c) for c in args.concurrency.split(",")]
-    kinds = ["plain", "on", "off"]
-    measured: dict[tuple[str, int, str], list[dict]] = {}
-    extra = dict(s.split("=", 1) for s in args.set)
-    for rep in range(args.repeat):
-        for name in work:
-            for kind in kinds if rep % 2 == 0 else kinds[::-1]:  # alternating, so that drift hits every kind
-                # A fresh process per workload: one workload's allocations do not colour the next.
-                with server(kind, args.repository, extra) as (url, proc):
-                    port = int(url.rsplit(":", 1)[1])
-                    for c in concurrency:
-                        print(f"[{rep + 1}/{args.repeat}] {name} c={c} {LABELS[kind]} ...", file=sys.stderr)
-                        wrk(port, tmp / f"{name}.json", c, args.warmup)
-                        r = wrk(port, tmp / f"{name}.json", c, args.duration, proc.pid)
-                        if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
-                            raise RuntimeError(f"{name} c={c} {kind}: errors {r}")
-                        measured.setdefault((name, c, kind), []).append(r)
-                        if name == "W2" and kind == "on":
-                            infer = "/v2/models/dot_product/infer"
-                            wrk(port, tmp / "W2.bin", c, args.warmup, None, infer, header_length)
-                            r = wrk(port, tmp / "W2.bin", c, args.duration, proc.pid, infer, header_length)
-                            if r["non_2xx"] or r["timeout"] or r["read"] or r["connect"]:
-                                raise RuntimeError(f"W2 binary c={c}: errors {r}")
-                            measured.setdefault(("W2 binary", c, kind), []).append(r)
-    rows = {key: {k: statistics.median(r[k] for r in runs) for k in ("rps", "p50_us", "p99_us", "cpu_us")}
-            for key, runs in measured.items()}
-    shutil.rmtree(tmp)
-
-    lines = ["| workload | concurrency | server | req/s | p50 ms | p99 ms | CPU us / request | x plain | "
-             "x in-process |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in work:
-        for c in concurrency:
-            plain = rows[(name, c, "plain")]["rps"]
-            for kind in kinds:
-                r = rows[(name, c, kind)]
-                lines.append(f"| {name} | {c} | {LABELS[kind]} | {r['rps']:.0f} | {r['p50_us'] / 1e3:.2f} | "
-                             f"{r['p99_us'] / 1e3:.2f} | {r['cpu_us']:.0f} | {r['rps'] / plain:.2f} | "
-                             f"{r['rps'] / limit[name]['rps']:.2f} |")
-    summary = ["", "The service (batching on) as a multiple of the plain server's throughput:", "",
-               "| workload | " + " | ".join(f"c={c}" for c in concurrency) + " |",
-               "| --- |" + " ---: |" * len(concurrency)]
-    for name in work:
-        summary.append(f"| {name} | " + " | ".join(
-            f"{rows[(name, c, 'on')]['rps'] / rows[(name, c, 'plain')]['rps']:.2f}x" for c in concurrency) + " |")
-    legend = [f"- {name}: {text}" for name, (text, _) in work.items()]
-    legend += ["- plain: bench/plain_server.py, the ~40-line FastAPI server a user could write instead (orjson, "
-               "NumPy, the same ONNX models, no checks, no batching)",
-               "- service: `python -m service` at its defaults (access log on), batching on or off"]
-    if "W2" in work:
-        summary += ["", "W2 through the Open Inference Protocol with binary tensors "
-                    "(`POST /v2/models/dot_product/infer`, 786 KB in and out), against the same request as JSON "
-                    "through `/attend` (4 MB in, 1.8 MB out), the same service process:", "",
-                    "| concurrency | binary req/s | p50 ms | CPU us / request | JSON req/s | binary / JSON |",
-                    "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for c in concurrency:
-            b, j = rows[("W2 binary", c, "on")], rows[("W2", c, "on")]
-            summary.append(f"| {c} | {b['rps']:.0f} | {b['p50_us'] / 1e3:.2f} | {b['cpu_us']:.0f} | {j['rps']:.0f} | "
-                           f"{b['rps'] / j['rps']:.1f}x |")
-    inproc = ["", "In-process limit (decode + session run + encode, one core, one ORT thread):", "",
-              "| workload | req/s | p50 ms | p99 ms |", "| --- | ---: | ---: | ---: |"]
-    inproc += [f"| {n} | {v['rps']:.0f} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} |" for n, v in limit.items()]
-    table = "\n".join(lines + summary + inproc)
-    print(table)
-    print("\n" + "\n".join(legend))
-    if args.out:
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = " ".join(["python bench/run.py", f"--duration {args.duration:g}", f"--repeat {args.repeat}",
-                            *(f"--set {s}" for s in args.set)])
-        text = (f"Run {stamp} on: {machine()}.\n\nCommand: `{command}`; "
-                f"server pinned to core {SERVER_CPU} (one ORT intra-op thread), wrk (1 thread) to core {LOAD_CPU}; "
-                f"{args.warmup:g} s warm-up then {args.duration:g} s per point; the median of {args.repeat} "
-                f"measurements of each point, the servers in alternating order, a fresh process for each. "
-                f"CPU us / request: the server process's user + system time over the point, per request.\n\n"
-                + "\n".join(legend) + "\n\n" + table + "\n")
-        # The sections other commands wrote (from the first `## ` heading on) stay.
-        previous = args.out.read_text() if args.out.exists() else ""
-        kept = previous[previous.index("\n## "):] if "\n## " in previous else ""
-        args.out.write_text(text + kept)
+    if args.report:
+        results = json.loads(args.report.read_text())
+    else:
+        if shutil.which("wrk") is None:
+            print("wrk is needed: apt-get install wrk", file=sys.stderr)
+            return 2
+        if (os.cpu_count() or 1) < 2:
+            print("warning: one core; server and load generator share it", file=sys.stderr)
+        results = run(args)
+        if args.results:
+            args.results.write_text(json.dumps(results, indent=1) + "\n")
+    section, _ = render(results)
+    print("\n".join(section))
+    report(results, args.out, args.readme)
     return 0
 
 

@@ -1,0 +1,201 @@
+"""`make bench`'s parts: the pools of varied bodies (each accepted by the service, every valid-length
+form), the load generator (wrk with bench/pool.lua: a different body a request, each request timed,
+against a real server), and the report written into the docs' marked sections from a results file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from tests.server import ROOT, running_service, uvicorn_in_thread
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import loadgen  # noqa: E402
+import pools  # noqa: E402
+import run  # noqa: E402
+
+from service.core.runtime import Registry  # noqa: E402
+from service.protocols.attend import attend  # noqa: E402
+
+VARIED = [name for name, w in pools.WORKLOADS.items() if not w.replayed]
+HAS_LENS = {"W1", "W2", "W3", "W4", "W5", "W6"}
+
+
+def expected_shapes(body: dict) -> dict[str, tuple]:
+    model, q = body["model"], np.shape(body.get("queries", body.get("scores")))
+    if model == "masked_softmax":
+        return {"outputs": q, "attention_weights": q}
+    if model == "positional_encoding":
+        return {"outputs": q, "P": q[1:]}
+    if model == "self_attention":
+        return {"outputs": q, "attention_weights": (q[0], 5, q[1], q[1])}
+    n_k = np.shape(body["keys"])[1]
+    if model == "multi_head":
+        return {"outputs": (q[0], q[1], 100), "attention_weights": (q[0], 5, q[1], n_k)}
+    return {"outputs": (q[0], q[1], np.shape(body["values"])[2]), "attention_weights": (q[0], q[1], n_k)}
+
+
+def form(body: dict) -> str:
+    lens = body.get("valid_lens")
+    return "absent" if lens is None else f"{np.ndim(lens)}-D"
+
+
+@pytest.fixture(scope="module")
+def registry(repository):
+    return Registry.load(repository, "cpu", 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VARIED)
+def test_every_body_form_of_each_pool_is_served(name, registry):
+    """The first bodies of each varied pool (the run's own, same seed), through the service's codec and
+    the real sessions: every valid-length form the kind takes appears, and each answer has its shapes."""
+    bodies = pools.WORKLOADS[name].bodies(count=8 if name == "W2" else 24)
+    forms = {form(b) for b in bodies}
+    assert forms == ({"absent", "1-D", "2-D"} if name in HAS_LENS else {"absent"}), forms
+    shapes = {tuple(np.shape(b[k]) for k in ("queries", "keys", "values", "scores") if k in b) for b in bodies}
+    assert len(shapes) > len(bodies) // 2, "shapes are drawn per body"
+    for body in bodies:
+        path, content, header_length = pools.attend_json(body)
+        assert (path, header_length) == ("/attend", 0)
+        # Floats as json.dumps writes float32 tensors: full decimals that round-trip through float32.
+        numbers = np.asarray(json.loads(content)[next(k for k in ("queries", "scores") if k in body)]).ravel()
+        assert np.array_equal(numbers.astype(np.float32).astype(np.float64), numbers)
+        assert len(content) > 15 * numbers.size
+        answer = json.loads(attend(content, registry))
+        for key, shape in expected_shapes(body).items():
+            assert np.shape(answer[key]) == shape, (name, key, form(body))
+        assert np.isfinite(np.asarray(answer["outputs"])).all()
+
+
+def test_pools_differ_by_seed_and_replayed_rows_are_one_body():
+    a, b = pools.WORKLOADS["W4"].bodies(count=4), pools.WORKLOADS["W4"].bodies(seed=1, count=4)
+    assert a == pools.WORKLOADS["W4"].bodies(count=4) and a != b
+    assert [len(pools.WORKLOADS[n].bodies()) for n in ("W1r", "W2r", "W3r")] == [1, 1, 1]
+    assert run.workloads()["W1"][1] == pools.WORKLOADS["W1r"].bodies()[0]
+
+
+def test_pool_files_hold_whole_requests(tmp_path):
+    encoded = [pools.attend_json(b) for b in pools.WORKLOADS["W1"].bodies(count=3)]
+    index = pools.write_pool(tmp_path, "W1", encoded)
+    lines = index.read_text().splitlines()
+    data = (tmp_path / "W1.pool").read_bytes()
+    assert lines[0] == str(tmp_path / "W1.pool") and len(lines) == 4
+    for line, (_, content, _) in zip(lines[1:], encoded, strict=True):
+        offset, length = map(int, line.split())
+        head, _, body = data[offset:offset + length].partition(b"\r\n\r\n")
+        assert body == content
+        assert head.startswith(b"POST /attend HTTP/1.1\r\n") and f"Content-Length: {len(content)}".encode() in head
+
+
+needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None,
+                               reason="wrk is not installed (`make bench` installs Debian's; the suite does not)")
+
+
+@needs_wrk
+def test_the_load_generator_sends_a_different_body_a_request_and_times_each(tmp_path):
+    """wrk with bench/pool.lua against an app that records every body: each request is one of the
+    pool's, the connections walk the whole pool, and there is one time a response."""
+    seen: list[bytes] = []
+    lock = threading.Lock()
+
+    async def app(scope, receive, send):
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        with lock:
+            seen.append(hashlib.sha1(body).digest())
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    encoded = [pools.attend_json(b) for b in pools.WORKLOADS["W6"].bodies(count=40)]
+    index = pools.write_pool(tmp_path, "W6", encoded)
+    with uvicorn_in_thread(app, "httptools") as port:
+        point = loadgen.measure("wrk", port, index, 4, 1, load_cpu=None)
+    sent = {hashlib.sha1(content).digest() for _, content, _ in encoded}
+    assert point.ok and point.requests == len(point.latencies_us) > 40
+    assert len(seen) >= point.requests  # requests in flight at the end are served but not timed
+    assert set(seen) == sent  # every body of the pool, nothing else
+    assert (point.latencies_us > 0).all() and point.percentile(99) >= point.percentile(50) > 0
+    # The times cover each connection's whole cycle (Little's law), the client's own gaps aside.
+    busy = point.latencies_us.sum() / 1e6 / (point.seconds * 4)
+    print(f"busy fraction {busy:.3f}")
+    assert 0.6 < busy < 1.05
+
+
+@pytest.mark.slow
+@needs_wrk
+def test_the_service_answers_each_pool_under_the_load_generator(tmp_path, repository):
+    """A short point of each transport against the real service: every answer a 200."""
+    bodies = pools.WORKLOADS["W4"].bodies(count=64)
+    made = {"W4": pools.write_pool(tmp_path, "W4", [pools.attend_json(b) for b in bodies]),
+            "W4bin": pools.write_pool(tmp_path, "W4bin", [pools.v2_binary(b) for b in bodies]),
+            "W3r": pools.make_pools(tmp_path, ["W3r"])["W3r"]["index"]}
+    with running_service(repository, ATTEND_INTRA_OP_THREADS="1") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        for name, index in made.items():
+            point = loadgen.measure("wrk", port, index, 2, 1, load_cpu=None)
+            assert point.ok, (name, point.failed, point.statuses, point.errors)
+            assert point.requests > 5
+
+
+def results() -> dict:
+    points = []
+    for rnd, (plain, service) in enumerate([(100.0, 150.0), (120.0, 168.0), (110.0, 121.0)]):
+        for row in ("W1", "W2bin", "W2"):
+            for c in (1, 16):
+                for server, rps in (("plain", plain), ("service", service * (2 if row == "W2bin" else 1))):
+                    if server == "plain" and row == "W2bin":
+                        continue
+                    points.append({"row": row, "concurrency": c, "server": server, "round": rnd, "requests": 500,
+                                   "seconds": 3.0, "rps": rps, "p50_ms": 1.0, "cpu_us": 1e6 / rps,
+                                   "p99_ms": 8.0 if server == "plain" else 4.0})
+    rows = {row: {"workload": pools.ROWS[row][0], "transport": pools.ROWS[row][1],
+                  "text": pools.WORKLOADS[pools.ROWS[row][0]].text,
+                  "transport_text": pools.TRANSPORTS[pools.ROWS[row][1]].text, "replayed": False, "bodies": 512,
+                  "median_bytes": 4000} for row in ("W1", "W2bin", "W2")}
+    return {"date": "2026-11-25 11:00 UTC", "minutes": 1.5, "command": "python bench/run.py --rounds 3",
+            "machine": "a test machine", "points": points, "rows": rows,
+            "settings": {"rounds": 3, "duration_s": 3, "warmup_s": 1, "concurrency": [1, 16],
+                         "servers": ["plain", "service"], "seed": 2025, "server_cpu": 0, "load_cpu": 1}}
+
+
+def test_the_report_rewrites_the_marked_sections_from_the_results_file(tmp_path):
+    docs, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    docs.write_text("# Title\n\nprose\n\n<!-- bench -->\nold table 9.99x\n<!-- /bench -->\n\n## Later\nkept\n")
+    readme.write_text("intro\n<!-- bench-ratios -->\n| old | 7.77x |\n<!-- /bench-ratios -->\nafter\n")
+    file = tmp_path / "results.json"
+    file.write_text(json.dumps(results()))
+    sys_argv = sys.argv
+    sys.argv = ["run.py", "--report", str(file), "--out", str(docs), "--readme", str(readme)]
+    try:
+        assert run.main() == 0
+    finally:
+        sys.argv = sys_argv
+    text, short = docs.read_text(), readme.read_text()
+    assert text.startswith("# Title\n\nprose\n\n<!-- bench -->\nRun 2026-11-25 11:00 UTC on a test machine; "
+                           "command: `python bench/run.py --rounds 3`")
+    assert text.endswith("<!-- /bench -->\n\n## Later\nkept\n") and "9.99x" not in text
+    assert short.startswith("intro\n<!-- bench-ratios -->\nRun 2026-11-25 11:00 UTC") and "7.77x" not in short
+    assert short.endswith("<!-- /bench-ratios -->\nafter\n")
+    # Medians of the per-round ratios (1.50, 1.40, 1.10) and of p99 (0.5); W2bin against the plain W2.
+    row = next(line for line in short.splitlines() if line.startswith("| W1:"))
+    assert row.split(" | ")[1:] == ["1.40x", "1.40x", "0.50x", "0.50x |"]
+    row = next(line for line in short.splitlines() if line.startswith("| W2bin:"))
+    assert row.split(" | ")[1:3] == ["2.80x", "2.80x"]
+    full = next(line for line in text.splitlines() if line.startswith("| W1 | 512 varied | 16 |"))
+    assert "| 110 | 150 | 1.40x | 1.50 1.40 1.10 |" in full
+    # Again: the sections are replaced, not appended to.
+    run.report(results(), docs, readme)
+    assert docs.read_text().count("<!-- bench -->") == 1 and readme.read_text().count("| W1:") == 1
+    with pytest.raises(SystemExit, match="no section"):
+        run.report(results(), tmp_path / "results.json", None)
