@@ -252,11 +252,13 @@ class Dataplane:
                version: int | str | None = None) -> int:
         """An error to answer: counted; its status, or 0 where nothing is to be sent (the client went
         away: 499, as nginx counts it). With `seconds` (since the request arrived), a failure in the
-        statistics of the model's `version` (the one its path or body named, or the newest) where it is
-        loaded."""
+        statistics of the model's version (the error's, where decoding the body found it; else `version`,
+        the one the path named; else the newest) where it is loaded."""
         gone = isinstance(error, ClientGone)
         self.metrics.failed(model, error.status, gone)
         if seconds is not None:
+            if error.version is not None:
+                version = error.version
             number = version if version is None or version.__class__ is int else \
                 int(version) if str(version).isdigit() else -1
             snapshot = self.registry.get(model, number)  # type: ignore[arg-type]
