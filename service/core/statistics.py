@@ -16,9 +16,10 @@ Who counts what:
                            charged its batch's durations, as Triton does; per batch size in batch_stats
     inference_count        rows (batch elements) run; execution_count: session runs
 
-The request path pays a few integer additions: the stamps are the ones the Prometheus metrics take.
-The counters of a run are added under a lock (runs of one model may be on several inference threads at
-once); everything else is added on the event loop.
+The request path pays a few additions (durations are summed as float seconds, made integer nanoseconds
+when read: over 10^8 requests the rounding stays under 10^-8 of the sum), and two clock reads a batch
+beyond those the Prometheus metrics take. The counters of a run are added under a lock (runs of one
+model may be on several inference threads at once); everything else is added on the event loop.
 """
 
 from __future__ import annotations
@@ -31,79 +32,85 @@ _NS = 1_000_000_000
 
 
 class ModelStatistics:
-    """The counters of one model version since it was loaded: integers, durations in nanoseconds."""
+    """The counters of one model version since it was loaded: counts, and durations in seconds (floats)."""
 
-    __slots__ = ("last_inference_ms", "success_count", "success_ns", "fail_count", "fail_ns", "queue_count",
-                 "queue_ns", "compute_count", "input_ns", "infer_ns", "output_ns", "inference_count",
-                 "execution_count", "batches", "_lock")
+    __slots__ = ("last_inference", "success_count", "success_s", "fail_count", "fail_s", "queue_count", "queue_s",
+                 "compute_count", "input_s", "infer_s", "output_s", "inference_count", "execution_count", "batches",
+                 "_lock")
 
     def __init__(self) -> None:
-        self.last_inference_ms = 0
-        self.success_count = self.success_ns = 0
-        self.fail_count = self.fail_ns = 0
-        self.queue_count = self.queue_ns = 0
-        self.compute_count = self.input_ns = self.infer_ns = self.output_ns = 0
+        self.last_inference = 0.0  # time.time() of the latest batch run or failure
+        self.success_count, self.success_s = 0, 0.0
+        self.fail_count, self.fail_s = 0, 0.0
+        self.queue_count, self.queue_s = 0, 0.0
+        self.compute_count, self.input_s, self.infer_s, self.output_s = 0, 0.0, 0.0, 0.0
         self.inference_count = self.execution_count = 0
-        # batch size (rows of a session run) -> [runs, compute input ns, compute infer ns, compute output ns]
-        self.batches: dict[int, list[int]] = {}
+        # batch size (rows of a session run) -> [runs, compute input s, compute infer s, compute output s]
+        self.batches: dict[int, list[float]] = {}
         self._lock = threading.Lock()
 
     def succeeded(self, seconds: float) -> None:
         self.success_count += 1
-        self.success_ns += int(seconds * _NS)
-        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.success_s += seconds
 
     def failed(self, seconds: float) -> None:
         self.fail_count += 1
-        self.fail_ns += int(seconds * _NS)
-        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.fail_s += seconds
+        self.last_inference = time.time()
 
     def queued(self, requests: int, seconds: float) -> None:
         """`requests` taken from the queue into a batch, after `seconds` of waiting between them."""
         self.queue_count += requests
-        self.queue_ns += int(seconds * _NS)
+        self.queue_s += seconds
 
     def ran(self, requests: int, rows: int, input_s: float, infer_s: float, output_s: float) -> None:
         """One session run of `requests` requests, `rows` rows in all, and its three stages' seconds."""
-        input_ns, infer_ns, output_ns = int(input_s * _NS), int(infer_s * _NS), int(output_s * _NS)
+        now = time.time()
         with self._lock:
+            self.last_inference = now
             self.execution_count += 1
             self.inference_count += rows
             self.compute_count += requests
-            self.input_ns += requests * input_ns
-            self.infer_ns += requests * infer_ns
-            self.output_ns += requests * output_ns
+            if requests == 1:
+                self.input_s += input_s
+                self.infer_s += infer_s
+                self.output_s += output_s
+            else:  # each request of the batch is charged the batch's durations
+                self.input_s += requests * input_s
+                self.infer_s += requests * infer_s
+                self.output_s += requests * output_s
             batch = self.batches.get(rows)
             if batch is None:
-                batch = self.batches[rows] = [0, 0, 0, 0]
+                batch = self.batches[rows] = [0, 0.0, 0.0, 0.0]
             batch[0] += 1
-            batch[1] += input_ns
-            batch[2] += infer_ns
-            batch[3] += output_ns
+            batch[1] += input_s
+            batch[2] += infer_s
+            batch[3] += output_s
 
     def report(self, name: str, version: str) -> dict[str, Any]:
-        """Triton's `$model_stat` (its HTTP JSON; gRPC's ModelStatistics message has the same fields)."""
+        """Triton's `$model_stat` (its HTTP JSON; gRPC's ModelStatistics message has the same fields):
+        counts and nanoseconds as integers, the version as a string."""
         with self._lock:
             compute, batches = self.compute_count, sorted((size, list(b)) for size, b in self.batches.items())
-            input_ns, infer_ns, output_ns = self.input_ns, self.infer_ns, self.output_ns
+            input_s, infer_s, output_s = self.input_s, self.infer_s, self.output_s
             inference_count, execution_count = self.inference_count, self.execution_count
 
-        def duration(count: int, ns: int) -> dict[str, int]:
-            return {"count": count, "ns": ns}
+        def duration(count: float, seconds: float) -> dict[str, int]:
+            return {"count": int(count), "ns": round(seconds * _NS)}
 
         return {
             "name": name,
             "version": version,
-            "last_inference": self.last_inference_ms,
+            "last_inference": int(self.last_inference * 1000),  # milliseconds since the epoch
             "inference_count": inference_count,
             "execution_count": execution_count,
             "inference_stats": {
-                "success": duration(self.success_count, self.success_ns),
-                "fail": duration(self.fail_count, self.fail_ns),
-                "queue": duration(self.queue_count, self.queue_ns),
-                "compute_input": duration(compute, input_ns),
-                "compute_infer": duration(compute, infer_ns),
-                "compute_output": duration(compute, output_ns),
+                "success": duration(self.success_count, self.success_s),
+                "fail": duration(self.fail_count, self.fail_s),
+                "queue": duration(self.queue_count, self.queue_s),
+                "compute_input": duration(compute, input_s),
+                "compute_infer": duration(compute, infer_s),
+                "compute_output": duration(compute, output_s),
                 # No response cache: always zero (perf_analyzer reads both).
                 "cache_hit": duration(0, 0),
                 "cache_miss": duration(0, 0),
