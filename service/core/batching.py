@@ -214,8 +214,9 @@ def _ran(model: LoadedModel, jobs: list[Job], results: list[Any], begun: float, 
          ) -> tuple[list[Any], float]:
     """run_batch's return, its stages counted in the model's statistics (service.core.statistics): the
     merge from `begun` to `start`, the run, the slicing and encoding after it."""
+    end = time.perf_counter()
     model.statistics.ran(len(jobs), jobs[0].rows if len(jobs) == 1 else sum(j.rows for j in jobs), start - begun,
-                         seconds, time.perf_counter() - start - seconds)
+                         seconds, end - start - seconds, end)
     return results, seconds
 
 
