@@ -3,11 +3,13 @@ counts what the requests did (exact counts; durations that add up), per model ve
 with /v2's error body; a concurrent burst that batches shows in execution_count and batch_stats."""
 
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from export.cli import main as export
@@ -137,10 +139,20 @@ def test_behind_the_api_key_and_listed_in_the_extensions(server):
 def test_a_concurrent_burst_batches_and_shows_in_batch_stats(server):
     before = _one(server, "dot_product", 1)
     requests = 24
+    body = orjson.dumps(_dot_product())
+    start = threading.Barrier(requests)
+
+    def send(_: int) -> int:
+        # A connection each, open before the burst: then all send at once, and the server's batches wait
+        # for the clients it sees busy.
+        with httpx.Client(base_url=str(server.base_url), headers=KEY | {"Content-Type": "application/json"},
+                          timeout=30) as client:
+            assert client.get("/v2/health/live").status_code == 200
+            start.wait()
+            return client.post("/attend", content=body).status_code
+
     with ThreadPoolExecutor(requests) as pool:
-        # One client each, all sent at once: the server sees them busy, and its batches wait for them.
-        codes = list(pool.map(lambda _: httpx.post(f"{server.base_url}/attend", json=_dot_product(), headers=KEY,
-                                                   timeout=30).status_code, range(requests)))
+        codes = list(pool.map(send, range(requests)))
     assert codes == [200] * requests
     after = _one(server, "dot_product", 1)
     executions = _delta(before, after, "execution_count")
