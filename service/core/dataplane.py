@@ -259,9 +259,9 @@ class Dataplane:
         if seconds is not None:
             if error.version is not None:
                 version = error.version
-            number = version if version is None or version.__class__ is int else \
-                int(version) if str(version).isdigit() else -1
-            snapshot = self.registry.get(model, number)  # type: ignore[arg-type]
+            if isinstance(version, str):
+                version = int(version) if version.isdigit() else -1  # not a version: none is loaded
+            snapshot = self.registry.get(model, version)
             if snapshot is not None:
                 snapshot.statistics.failed(seconds)
         return 0 if gone else error.status
