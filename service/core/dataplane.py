@@ -260,7 +260,7 @@ class Dataplane:
             if error.version is not None:
                 version = error.version
             if isinstance(version, str):
-                version = int(version) if version.isdigit() else -1  # not a version: none is loaded
+                version = int(version) if version.isascii() and version.isdigit() else -1  # none is loaded
             snapshot = self.registry.get(model, version)
             if snapshot is not None:
                 snapshot.statistics.failed(seconds)

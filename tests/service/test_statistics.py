@@ -121,6 +121,8 @@ def test_versions_are_counted_apart(server):
     ("/v2/models/nope/versions/1/stats", "unknown model 'nope'; available: additive, dot_product"),
     ("/v2/models/additive/versions/3/stats", "version '3' of model 'additive' is not loaded; loaded: 1, 2"),
     ("/v2/models/additive/versions/x/stats", "version 'x' of model 'additive' is not loaded; loaded: 1, 2"),
+    # A digit to str.isdigit, not to int(): was a 500 (a ValueError in find_model) on every /v2 route with a version.
+    ("/v2/models/additive/versions/%C2%B2/stats", "version '²' of model 'additive' is not loaded; loaded: 1, 2"),
 ])
 def test_unknown_model_or_version_is_404_in_the_protocols_body(server, path, message):
     response = server.get(path)
