@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # perf_analyzer, Triton's load tool, against the service's Open Inference Protocol: W2 (dot_product,
-# 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep.
+# 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep; with each point,
+# perf_analyzer's server-side breakdown (queue, compute input/infer/output), read from the service's
+# statistics extension (GET /v2/models/dot_product/stats).
 #
 #   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50]
 #                          [--max-memory-gb 16] [--max-trials 6] [--out FILE]
@@ -108,6 +110,7 @@ if [ -z "$URL" ]; then
 fi
 
 # ------------------------------------------------------------------ the sweep
+SERVER=""
 TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p99 ms |
 | ---: | ---: | ---: | ---: | ---: | ---: |"
 # perf_analyzer keeps ~1.6 MB per W2 request it sends (24 GB when the kernel killed it after 12
@@ -144,6 +147,8 @@ for c in $CONCURRENCY; do
         echo "perf_analyzer exited with $status at concurrency $c" >&2
         exit "$status"
     fi
+    # Its server-side breakdown, from the service's statistics (GET /v2/models/dot_product/stats), as it printed it.
+    SERVER+=$'\n'"Concurrency $c:"$'\n'$(sed -n '/^  Server: *$/,/Avg request latency/p' "$RUN/c$c.log")
     TABLE+=$'\n'$("$PYTHON" - "$RUN/c$c.csv" <<'EOF'
 import csv, sys
 row = next(csv.DictReader(open(sys.argv[1])))
@@ -157,6 +162,9 @@ done
 COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
 TEXT="perf_analyzer $VERSION (\`-i http -b 8\`, binary tensors in and out, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
 
-$TABLE"
+$TABLE
+
+perf_analyzer's server-side breakdown (the service's statistics extension), per concurrency:
+$SERVER"
 echo "$TEXT"
 if [ -n "$OUT" ]; then echo "$TEXT" >"$OUT"; fi

@@ -181,6 +181,7 @@ def _slice(spec_shape: tuple, job: Job, row: int) -> tuple[slice, ...]:
 def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[list[Any], float]:
     """Merge, run once, slice each job's rows, queries and keys back out, encode each with its
     job's encoder. Returns the bodies and the seconds the session run took."""
+    begun = time.perf_counter()
     same = len(jobs) > 1 and _same_lengths(jobs)
     feed = merge(model, jobs, same)
     start = time.perf_counter()
@@ -189,7 +190,7 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
     metrics.model(model.name).inference.observe(seconds)
     if len(jobs) == 1:
         job = jobs[0]
-        return [job.encode(model, outputs, job.request.return_weights)], seconds
+        return _ran(model, jobs, [job.encode(model, outputs, job.request.return_weights)], begun, start, seconds)
     results, row = [], 0
     if same:  # each job's part is its rows (a view, contiguous); an output without batch, whole
         by_batch = [(spec.name, spec.shape[0] == "batch") for spec in model.outputs]
@@ -200,12 +201,22 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
                     if weights or name != "attention_weights"}
             results.append(job.encode(model, mine, weights))
             row = end
-        return results, seconds
+        return _ran(model, jobs, results, begun, start, seconds)
     for job in jobs:
         mine = {spec.name: np.ascontiguousarray(outputs[spec.name][_slice(spec.shape, job, row)])
                 for spec in model.outputs if job.request.return_weights or spec.name != "attention_weights"}
         results.append(job.encode(model, mine, job.request.return_weights))
         row += job.rows
+    return _ran(model, jobs, results, begun, start, seconds)
+
+
+def _ran(model: LoadedModel, jobs: list[Job], results: list[Any], begun: float, start: float, seconds: float
+         ) -> tuple[list[Any], float]:
+    """run_batch's return, its stages counted in the model's statistics (service.core.statistics): the
+    merge from `begun` to `start`, the run, the slicing and encoding after it."""
+    end = time.perf_counter()
+    model.statistics.ran(len(jobs), jobs[0].rows if len(jobs) == 1 else sum(j.rows for j in jobs), start - begun,
+                         seconds, end - start - seconds, end)
     return results, seconds
 
 
@@ -351,8 +362,11 @@ class Batcher:
     def _observe(self, jobs: list[Job]) -> None:
         metrics = self.metrics
         start = time.monotonic()
+        waited = 0.0
         for job in jobs:
             metrics.queue_time.observe(start - job.enqueued)
+            waited += start - job.enqueued
+        self.model.statistics.queued(len(jobs), waited)
         metrics.batch_requests.observe(len(jobs))
         metrics.batch_rows.observe(sum(j.rows for j in jobs))
 

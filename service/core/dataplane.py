@@ -10,6 +10,8 @@
                           shorter X-Request-Timeout-Ms); `within(until)` bounds the body's read and decode
     decode_async()        a codec's decode, on the event loop for small bodies, on a decode thread otherwise
     infer()               the batching queue, the session run, the codec's encoder
+    answered(), failed()  a request's answer or error counted: metrics by model and status, and the
+                          statistics of its model version (Triton's extension: `statistics()` reads them)
     set_load_hint()       what the server says of its load: requests in progress, busy clients
 
 A transport (service.http.endpoint, and any other) turns its bytes into calls of these and nothing
@@ -34,8 +36,8 @@ from service.core.cost import Budget, Cost
 from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, ServiceError, Unauthorized
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
-from service.core.request import Request, RequestLimits
-from service.core.runtime import Registry
+from service.core.request import Request, RequestLimits, find_model
+from service.core.runtime import LoadedModel, Registry
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -235,16 +237,49 @@ class Dataplane:
         self.in_flight -= 1
         self.metrics.request_ended()
 
-    def answered(self, model: str, status: int, seconds: float) -> None:
-        """A response sent (status and latency by model)."""
+    def answered(self, model: str, status: int, seconds: float, snapshot: LoadedModel | None = None) -> None:
+        """A response sent (status and latency by model; `seconds` since the request arrived), and a
+        success in the statistics of `snapshot`, the model version that answered (where the transport
+        does not say: the version served now)."""
         self.metrics.answered(model, status, seconds)
+        if snapshot is None:
+            snapshot = self.registry.get(model)
+            if snapshot is None:
+                return
+        snapshot.statistics.succeeded(seconds)
 
-    def failed(self, model: str, error: ServiceError) -> int:
+    def failed(self, model: str, error: ServiceError, seconds: float | None = None,
+               version: int | str | None = None) -> int:
         """An error to answer: counted; its status, or 0 where nothing is to be sent (the client went
-        away: 499, as nginx counts it)."""
+        away: 499, as nginx counts it). With `seconds` (since the request arrived), a failure in the
+        statistics of the model's version (the error's, where decoding the body found it; else `version`,
+        the one the path named; else the newest) where it is loaded."""
         gone = isinstance(error, ClientGone)
         self.metrics.failed(model, error.status, gone)
+        if seconds is not None:
+            if error.version is not None:
+                version = error.version
+            if isinstance(version, str):
+                version = int(version) if version.isascii() and version.isdigit() else -1  # none is loaded
+            snapshot = self.registry.get(model, version)
+            if snapshot is not None:
+                snapshot.statistics.failed(seconds)
         return 0 if gone else error.status
+
+    def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics extension (service.core.statistics): `{"model_stats": [...]}` for every
+        loaded version of every model (`name` None or ""), of one model, or of one version of it (`version`
+        None or "": all of them); an unknown model or version raises what an inference request for it
+        would (service.core.request.find_model). This process's numbers only."""
+        registry = self.registry
+        if not name:
+            snapshots = [registry.get(n, v) for n in registry.names() for v in registry.loaded_versions(n)]
+        elif not version:
+            find_model(registry, name)
+            snapshots = [registry.get(name, v) for v in registry.loaded_versions(name)]
+        else:
+            snapshots = [find_model(registry, name, version)]
+        return {"model_stats": [s.statistics.report(s.name, s.version_text) for s in snapshots if s is not None]}
 
     def deadline(self, timeout_ms: bytes | str | None, arrived: float | None = None) -> float:
         """When the request must be answered: ATTEND_REQUEST_TIMEOUT_S, or the client's shorter

@@ -37,6 +37,7 @@ class ServiceError(Exception):
         self.received = received
         self.headers = headers
         self.model: str | None = None  # set once the request's model is known
+        self.version: int | None = None  # ... and its version, where a body named it (the statistics')
 
     def body(self) -> dict[str, Any]:
         error: dict[str, Any] = {"code": self.code, "message": self.message}

@@ -204,7 +204,8 @@ def find_model(registry: Registry, name: str, version: int | str | None = None, 
     if model is None:
         raise unknown_model(registry, name, field)
     if version is not None:
-        number = version if version.__class__ is int else int(version) if str(version).isdigit() else None
+        text = str(version)  # ASCII digits only: "²" is a digit to str.isdigit, and not to int()
+        number = version if version.__class__ is int else int(text) if text.isascii() and text.isdigit() else None
         model = registry.get(name, number) if number is not None else None
         if model is None:
             loaded = ", ".join(map(str, registry.loaded_versions(name)))

@@ -36,6 +36,7 @@ from export.repository import (
     sha256_of,
 )
 from export.repository import model_dir as folder_of
+from service.core.statistics import ModelStatistics
 
 log = logging.getLogger("service")
 
@@ -57,6 +58,8 @@ class LoadedModel:
     # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
     # (its _Plan): they go with the snapshot, as its signature does.
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Triton's statistics of this snapshot (service.core.statistics): a version loaded again starts from zero.
+    statistics: ModelStatistics = dataclasses.field(default_factory=ModelStatistics, repr=False, compare=False)
 
     @property
     def name(self) -> str:

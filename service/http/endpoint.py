@@ -170,29 +170,30 @@ class InferenceEndpoint:
             dataplane.failed("-", e)
             return await self.send_error(send, e, extra, hold, respond)
         model = "-"
+        version: int | str | None = None  # for the statistics: the version asked for, then the one decoded
         cost = dataplane.cost()
         try:
             target = self.target_of(scope["path"])
-            model = self.model_of(target)
+            model, version = self.model_of(target), target[1]
             self.check_media_type(headers)
             until = dataplane.deadline(headers.get(b"x-request-timeout-ms"), extensions.get("attend.arrived"))
             request, encode = await self._read_and_decode(scope, target, headers, receive, until, cost)
-            model = request.model.name
+            model, version = request.model.name, request.model.config.version
             content = await dataplane.infer(request, until, encode, disconnect_probe(extensions, receive), cost)
         except ServiceError as e:
             cost.release()
-            if not dataplane.failed(e.model or model, e):
+            if not dataplane.failed(e.model or model, e, time.perf_counter() - start, version):
                 return 0
             return await self.send_error(send, e, extra, hold, respond)
         except Exception:
             cost.release()
             log.exception("unhandled error on POST %s", _logged_path(scope)[:200])
             error = ServiceError("internal server error")
-            dataplane.failed(model, error)
+            dataplane.failed(model, error, time.perf_counter() - start, version)
             return await self.send_error(send, error, extra, hold, respond)
         finally:
             dataplane.release()
-        dataplane.answered(model, 200, time.perf_counter() - start)
+        dataplane.answered(model, 200, time.perf_counter() - start, request.model)
         body, more, content_type = self.response(content)
         try:
             await send_body(send, 200, body, [*extra, *more] if more else extra, content_type, hold, respond)

@@ -507,7 +507,7 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
     try:
         return decode(data, model, limits, body, layout, brackets)
     except ServiceError as e:
-        e.model = model.name
+        e.model, e.version = model.name, model.config.version
         raise
 
 

@@ -56,6 +56,12 @@ def error_json(error: ServiceError) -> bytes:
 # --------------------------------------------------------------------------------------- metadata
 
 
+def extensions(model_repository: bool) -> list[str]:
+    """The server metadata's `extensions` (every transport's: HTTP's GET /v2, gRPC's ServerMetadata):
+    binary tensors, Triton's statistics, and the model repository where its routes are on."""
+    return ["binary_tensor_data", "statistics", *(["model_repository"] if model_repository else [])]
+
+
 def _dims(shape: tuple) -> list[int]:
     return [d if isinstance(d, int) else -1 for d in shape]
 

@@ -1,5 +1,6 @@
 """Triton's perf_analyzer (2.60, the binary itself, through Debian 13's loader) drives the service's
-Open Inference Protocol: a short sweep, the binary's exit status checked, a table of real numbers."""
+Open Inference Protocol: a short sweep, the binary's exit status checked, a table of real numbers, and
+its server-side breakdown from the service's statistics extension."""
 
 import re
 import shutil
@@ -39,3 +40,17 @@ def test_perf_analyzer_runs_against_the_service(repository):
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"], result.stdout
     assert all(int(r[1]) > 0 and int(r[2]) == pytest.approx(8 * int(r[1]), abs=8) for r in rows)
+    # Its server-side breakdown, from GET /v2/models/dot_product/stats (the statistics extension), per point.
+    server = re.findall(r"^Concurrency (\d+):\n  Server: *\n    Inference count: (\d+)\n    Execution count: (\d+)\n"
+                        r"    Successful request count: (\d+)\n    Avg request latency: (\d+) usec \(overhead (\d+) "
+                        r"usec \+ queue (\d+) usec \+ compute input (\d+) usec \+ compute infer (\d+) usec \+ "
+                        r"compute output (\d+) usec\)$", result.stdout, re.MULTILINE)
+    assert [s[0] for s in server] == ["1", "2"], result.stdout
+    for concurrency, inferences, executions, requests, latency, overhead, queue, c_in, c_infer, c_out in (
+            map(int, s) for s in server):
+        # 8 rows a request, a run at most a request (W2's weights fill a batch alone); a request can be run in
+        # one window and answered in the next.
+        assert requests > 0 and 0 < executions <= requests + concurrency, result.stdout
+        assert inferences == pytest.approx(8 * requests, abs=8 * concurrency), result.stdout
+        # The parts are each an average rounded down (perf_analyzer's); the overhead is what is left.
+        assert c_infer > 0 and latency - 3 < overhead + queue + c_in + c_infer + c_out <= latency, result.stdout

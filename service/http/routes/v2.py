@@ -3,12 +3,13 @@ model metadata, health, Triton's model configuration, and the model repository e
 index of the repository folder, load and unload while serving; service.core.control does the work;
 admin operations: see service.http.app.require_admin).
 
-    GET  /v2                                   server metadata (extensions: binary_tensor_data, and
-                                               model_repository where model control is on)
+    GET  /v2                                   server metadata (extensions: binary_tensor_data, statistics,
+                                               and model_repository where model control is on)
     GET  /v2/health/live, /v2/health/ready
     GET  /v2/models/{m}[/versions/{v}]         model metadata: inputs and outputs, -1 for dynamic axes
     GET  /v2/models/{m}[/versions/{v}]/ready
     GET  /v2/models/{m}[/versions/{v}]/config  Triton's model configuration (perf_analyzer reads it)
+    GET  /v2/models[/{m}[/versions/{v}]]/stats Triton's statistics extension (service.core.statistics)
     POST /v2/repository/index, /v2/repository/models/{m}/load|unload
 """
 
@@ -26,6 +27,7 @@ from service.http.schemas import protocol_errors
 from service.protocols.v2 import (
     BadRequest,
     config,
+    extensions,
     metadata,
 )
 
@@ -42,10 +44,9 @@ def _json(body: Any, status: int = 200) -> Response:
 @router.get("", summary="Server metadata", responses=protocol_errors(401))
 async def server_metadata(request: Request) -> Response:
     state = request.app.state
-    extensions = ["binary_tensor_data"]
-    if state.admin_keys or state.settings.model_control:  # the repository routes are on (require_admin)
-        extensions.append("model_repository")
-    return _json({"name": "attend", "version": request.app.version, "extensions": extensions})
+    # The repository routes are on where there are admin keys or model control (require_admin).
+    on = bool(state.admin_keys or state.settings.model_control)
+    return _json({"name": "attend", "version": request.app.version, "extensions": extensions(on)})
 
 
 @health_router.get("/health/live", summary="The process is up")
@@ -57,6 +58,17 @@ async def live() -> Response:
 async def ready(request: Request) -> Response:
     request.app.state.dataplane.check_ready()
     return _json({"ready": True})
+
+
+# Before /models/{name}: "stats" is not a model's name here (as in Triton).
+@router.get("/models/stats", summary="Statistics of every loaded version of every model (Triton's extension)",
+            responses=protocol_errors(401))
+@router.get("/models/{name}/stats", summary="Statistics of every loaded version of the model",
+            responses=protocol_errors(401, 404, 422, 503))
+@router.get("/models/{name}/versions/{version}/stats", summary="Statistics of one version of the model",
+            responses=protocol_errors(401, 404, 422, 503))
+async def model_statistics(request: Request, name: str | None = None, version: str | None = None) -> Response:
+    return _json(request.app.state.dataplane.statistics(name, version))
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=protocol_errors(401, 404, 422, 503))
