@@ -70,6 +70,9 @@ class LoadedModel:
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # Triton's statistics of this snapshot (service.core.statistics): a version loaded again starts from zero.
     statistics: ModelStatistics = dataclasses.field(default_factory=ModelStatistics, repr=False, compare=False)
+    # (elements of a run's inputs and outputs, its seconds) of the warm-up's timed runs (`warm_up`): where the
+    # batcher's cost model of this snapshot starts (service.core.batching.RunCost).
+    run_times: list[tuple[int, float]] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -235,10 +238,27 @@ def _check_signature(model: LoadedModel) -> None:
         )
 
 
+# The warm-up's sizes: a small request (the book's examples' size), and one some hundred times its elements.
+_WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8},
+               {"batch": 8, "n_q": 16, "n_k": 16, "n": 16, "d": 32, "value_size": 32})
+_TIMED_RUNS = 5
+
+
 def warm_up(model: LoadedModel) -> None:
-    """One run per model on small inputs, so the first client does not pay for allocation."""
-    sizes = {"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
-    model.run(example_feed(model.kind, model.config.hyperparameters, sizes, np.random.default_rng(0)))
+    """Runs on a small and a larger input, so the first client does not pay for allocation; then each
+    timed a few times (the fastest kept, in `model.run_times`), for the batcher to know from the
+    first request what a run of this model costs (~10 ms a model)."""
+    rng = np.random.default_rng(0)
+    for sizes in _WARM_SIZES:
+        feed = example_feed(model.kind, model.config.hyperparameters, sizes, rng)
+        outputs = model.run(feed)
+        fastest = float("inf")
+        for _ in range(_TIMED_RUNS):
+            start = time.perf_counter()
+            model.run(feed)
+            fastest = min(fastest, time.perf_counter() - start)
+        elements = sum(a.size for a in feed.values()) + sum(a.size for a in outputs.values())
+        model.run_times.append((elements, fastest))
 
 
 def _session_options(intra_op_threads: int) -> ort.SessionOptions:
