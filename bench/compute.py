@@ -14,11 +14,12 @@ Runtime is counted without (an Identity on one float). Each is the median of its
 One core (os.sched_setaffinity), one thread (torch.set_num_threads(1), ORT intra_op_num_threads=1, NumPy's
 BLAS told so before it loads); random inputs, random valid lengths from 1 to n (rows of valid length 0 are
 checked apart, on a small case); the three runs alternate call by call, and a figure is the median of the
-repeats (fewer for the largest sizes: about 4 s a point). By default the models are exported afresh (seed
-0, as `python -m export`) into a temporary repository, so the graphs are this tree's; --repository times
-an existing one. About 1-2 minutes on a quiet 2-core machine; timings need the machine to themselves.
+repeats: as many as fit in about 2 s a point (0.5 s a part of the floor), at least 5, at most --repeats.
+By default the models are exported afresh (seed 0, as `python -m export`) into a temporary repository, so
+the graphs are this tree's; --repository times an existing one. About two minutes on a quiet 2-core
+machine; timings need the machine to themselves.
 
-    python bench/compute.py [--repeats 41] [--kinds dot_product multi_head] [--repository DIR]
+    python bench/compute.py [--repeats 2001] [--kinds dot_product multi_head] [--repository DIR]
                             [--out docs/benchmarks.md]
 """
 
@@ -54,7 +55,8 @@ SECTION = "compute"
 # (batch, n): the batch shrinks as n grows.
 SIZES = [(8, 16), (8, 64), (8, 128), (4, 256), (2, 512), (1, 1024), (1, 2048)]
 D = 64  # dot_product's features (queries, keys and values)
-POINT_SECONDS = 4.0  # about this long a point: fewer repeats where one round is slow
+POINT_SECONDS = 2.0  # about this long the three runs of a point: fewer repeats where a round is slow
+PART_SECONDS = 0.5  # and each part of its floor
 
 
 def session_options() -> ort.SessionOptions:
@@ -89,14 +91,14 @@ def ort_call(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> Call
     return lambda: session.run(["outputs", "attention_weights"], feed)
 
 
-def timed(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms per call of each, the calls alternating (one warm-up each first, which also sets how many
-    repeats fit in POINT_SECONDS, at least 5)."""
+def timed(calls: dict[str, Callable[[], object]], repeats: int, seconds: float = POINT_SECONDS) -> dict[str, float]:
+    """Median ms per call of each, the calls alternating: one warm-up each first, which also sets how many
+    rounds fit in `seconds` (at least 5, at most `repeats`)."""
     times: dict[str, list[float]] = {label: [] for label in calls}
     start = time.perf_counter()
     for call in calls.values():
         call()
-    repeats = max(5, min(repeats, int(POINT_SECONDS / max(time.perf_counter() - start, 1e-6))))
+    repeats = max(5, min(repeats, int(seconds / max(time.perf_counter() - start, 1e-6))))
     for _ in range(repeats):
         for label, call in calls.items():
             start = time.perf_counter()
@@ -124,14 +126,14 @@ def _one_op(op: str, shapes: list[tuple[int, ...]], **attrs: int) -> Callable[[]
 def run_overhead(repeats: int) -> float:
     """ms of an ONNX Runtime run that does nothing (an Identity on one float): each part of the floor timed
     through ONNX Runtime is counted without it, and the floor counts it once, as a served call pays it once."""
-    return timed({"empty": _one_op("Identity", [(1,)])}, repeats)["empty"]
+    return timed({"empty": _one_op("Identity", [(1,)])}, repeats, PART_SECONDS)["empty"]
 
 
 def _gemm(a: tuple[int, ...], b: tuple[int, ...], repeats: int, overhead: float) -> float:
     """ms of the faster of ONNX Runtime's MatMul (less its run's overhead) and NumPy's matmul of a @ b."""
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal(a, dtype=np.float32), rng.standard_normal(b, dtype=np.float32)
-    ms = timed({"ort": _one_op("MatMul", [a, b]), "numpy": lambda: np.matmul(x, y)}, repeats)
+    ms = timed({"ort": _one_op("MatMul", [a, b]), "numpy": lambda: np.matmul(x, y)}, repeats, PART_SECONDS)
     return min(max(ms["ort"] - overhead, 0.0), ms["numpy"])
 
 
@@ -139,7 +141,8 @@ def floor(kind: str, batch: int, n: int, hp: dict, repeats: int, overhead: float
     """The floor's parts, ms: the GEMMs, the softmax over the weights, one run's overhead."""
     heads = int(hp.get("num_heads", 1))
     head = D if kind == "dot_product" else hp["num_hiddens"] // heads
-    softmax = timed({"softmax": _one_op("Softmax", [(batch, heads, n, n)], axis=-1)}, repeats)["softmax"]
+    softmax = timed({"softmax": _one_op("Softmax", [(batch, heads, n, n)], axis=-1)}, repeats,
+                    PART_SECONDS)["softmax"]
     parts = {
         "Q K^T": _gemm((batch, heads, n, head), (batch, heads, head, n), repeats, overhead),
         "W V": _gemm((batch, heads, n, n), (batch, heads, n, head), repeats, overhead),
@@ -188,7 +191,9 @@ def _repository(kinds: list[str], folder: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, help="an existing model repository (default: export afresh)")
-    parser.add_argument("--repeats", type=int, default=41, help="most timed calls of each run per point (median)")
+    parser.add_argument("--repeats", type=int, default=2001,
+                        help="most timed calls of each run per point (median); fewer where they would take "
+                        f"more than {POINT_SECONDS:.0f} s")
     parser.add_argument("--kinds", nargs="+", default=["dot_product", "multi_head"],
                         choices=["dot_product", "multi_head"])
     parser.add_argument("--out", type=Path, help=f"markdown file to write the table into (section {SECTION})")
@@ -243,15 +248,15 @@ def main() -> int:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
-        f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point), the three runs "
-        f"alternating; one core, one thread; ONNX Runtime {ort.__version__}, torch {torch.__version__}, NumPy "
-        f"{np.__version__}; load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (the "
-        f"number of cores would be all busy). Served: the graph the service runs on the CPU; decomposed: "
-        f"model.onnx, traced from the module (what other execution providers run); floor: the GEMMs of the "
-        f"same shapes (ONNX Runtime's MatMul or NumPy's, the faster) plus one softmax over the weights "
-        f"(ONNX Runtime's Softmax), each timed alone less ONNX Runtime's cost of a run ({overhead * 1e3:.0f} us), "
-        f"which the floor counts once. Max diffs are against the PyTorch module's outputs "
-        f"and weights.",
+        f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point, at least 5 calls), "
+        f"the three runs alternating; one core, one thread; ONNX Runtime {ort.__version__}, torch "
+        f"{torch.__version__}, NumPy {np.__version__}; load average {load:.2f} at the start, "
+        f"{os.getloadavg()[0]:.2f} at the end (the number of cores would be all busy). Served: the graph the "
+        f"service runs on the CPU; decomposed: model.onnx, traced from the module (what other execution "
+        f"providers run); floor: the GEMMs of the same shapes (ONNX Runtime's MatMul or NumPy's, the faster) "
+        f"plus one softmax over the weights (ONNX Runtime's Softmax), each timed alone less ONNX Runtime's "
+        f"cost of a run ({overhead * 1e3:.0f} us), which the floor counts once. Max diffs are against the "
+        f"PyTorch module's outputs and weights.",
         "",
         *[f"- {note}" for note in notes],
     ]
