@@ -19,8 +19,8 @@ By default the models are exported afresh (seed 0, as `python -m export`) into a
 the graphs are this tree's; --repository times an existing one. About two minutes on a quiet 2-core
 machine; timings need the machine to themselves.
 
-    python bench/compute.py [--repeats 2001] [--kinds dot_product multi_head] [--repository DIR]
-                            [--out docs/benchmarks.md]
+    python bench/compute.py [--repeats 2001] [--kinds dot_product multi_head] [--sizes 8x16 ... 1x2048]
+                            [--repository DIR] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -188,6 +188,14 @@ def _repository(kinds: list[str], folder: Path) -> Path:
     return folder
 
 
+def _size(text: str) -> tuple[int, int]:
+    batch, _, n = text.partition("x")
+    try:
+        return int(batch), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BATCHxN, e.g. 8x128") from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, help="an existing model repository (default: export afresh)")
@@ -196,6 +204,8 @@ def main() -> int:
                         f"more than {POINT_SECONDS:.0f} s")
     parser.add_argument("--kinds", nargs="+", default=["dot_product", "multi_head"],
                         choices=["dot_product", "multi_head"])
+    parser.add_argument("--sizes", nargs="+", type=_size, default=SIZES, metavar="BATCHxN",
+                        help="points to time (default: " + " ".join(f"{b}x{n}" for b, n in SIZES) + ")")
     parser.add_argument("--out", type=Path, help=f"markdown file to write the table into (section {SECTION})")
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
@@ -219,7 +229,7 @@ def main() -> int:
                 notes.append(f"{kind}: the repository has no CPU graph; the service serves model.onnx "
                              "(export again for model.cpu.onnx)")
             rng = np.random.default_rng(0)
-            for batch, n in SIZES:
+            for batch, n in args.sizes:
                 feed = inputs(kind, batch, n, hp, rng)
                 calls = {"torch": torch_call(module, feed), "served": ort_call(served.session, feed),
                          "decomposed": ort_call(decomposed, feed)}
@@ -231,10 +241,10 @@ def main() -> int:
                 shape = f"{batch} x {n} x {n} x {D}" if kind == "dot_product" else \
                     f"{batch} x {n} x {n} x {hp['num_hiddens']}, {hp['num_heads']} heads"
                 rows.append(
-                    f"| {kind} | {shape} | {ms['served']:.3f} | {ms['torch']:.3f} | {ms['decomposed']:.3f} "
-                    f"| {least:.3f} | **{ms['served'] / ms['torch']:.2f}** | **{ms['served'] / least:.2f}** "
+                    f"| {kind} | {shape} | {ms['served']:.4g} | {ms['torch']:.4g} | {ms['decomposed']:.4g} "
+                    f"| {least:.4g} | **{ms['served'] / ms['torch']:.2f}** | **{ms['served'] / least:.2f}** "
                     f"| {ms['decomposed'] / ms['served']:.2f} | {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
-                    f"| {' + '.join(f'{v:.3f}' for v in parts.values())} |")
+                    f"| {' + '.join(f'{v:.4g}' for v in parts.values())} |")
                 print(rows[-1], flush=True)
             notes.append(fully_masked(kind, hp, module, {"served": served.session, "decomposed": decomposed}))
             notes.append(f"{kind}: served {served.model_file} (opset {served.opset}), decomposed "
