@@ -43,13 +43,15 @@ BOOK_OUTPUTS = [[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]]
 
 
 @pytest.fixture(scope="module")
-def server(repository):
+def server(repository, tmp_path_factory):
     """(HTTP URL, gRPC address) of one service: messages up to 1 MiB; a batch waits up to 20 ms for a
-    request that a busy client is about to send."""
+    request that a busy client is about to send. Its log, at the end: no traceback."""
     port = free_port()
-    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+    log = tmp_path_factory.mktemp("grpc") / "service.log"
+    with running_service(repository, log_path=log, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_MAX_BODY_BYTES=str(1 << 20), ATTEND_MAX_BATCH_WAIT_US="20000") as (url, _):
         yield url, f"127.0.0.1:{port}"
+    assert "Traceback" not in log.read_text()
 
 
 def _inputs(module, tensors):
@@ -275,9 +277,10 @@ def test_errors_are_status_codes_naming_the_input(server):
         code, details = _error(lambda: stub.ModelInfer(_raw_request("additive", tensors),
                                                        metadata=[("x-request-timeout-ms", "soon")]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "X-Request-Timeout-Ms" in details
-        assert _error(lambda: stub.ModelStreamInfer(iter([request])).next())[0] == grpc.StatusCode.UNIMPLEMENTED
-        assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest()))[0] == \
-            grpc.StatusCode.UNIMPLEMENTED
+        assert _error(lambda: stub.ModelStreamInfer(iter([request])).next()) == (
+            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement ModelStreamInfer")
+        assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())) == (
+            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement SystemSharedMemoryStatus")
         # Model control is off here: the repository calls are NOT_FOUND, as HTTP's routes are 404.
         code, details = _error(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()))
         assert code == grpc.StatusCode.NOT_FOUND and details.startswith("model control is off")
