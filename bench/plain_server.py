@@ -2,7 +2,8 @@
 
 A FastAPI route reading the raw body, orjson.loads, np.asarray(float32), session.run on the same ONNX
 models (one intra-op thread), orjson.dumps with NumPy support; one uvicorn worker; no checks at all (a
-bad request is a 500), no limits, no metrics, no batching. It serves every model of the repository:
+bad request is a 500), no limits, no metrics, no batching. It serves every model of the repository, each
+from the graph the service runs on the CPU (config.json's CPU variant where there is one, else model.onnx),
 the graph's inputs from the body's fields of the same names, absent or 1-D valid lengths made 2-D.
 
     PLAIN_REPOSITORY=model_repository uvicorn bench.plain_server:app --port 8001
@@ -23,7 +24,9 @@ sessions, inputs, outputs = {}, {}, {}
 for folder in Path(os.environ.get("PLAIN_REPOSITORY", "model_repository")).iterdir():
     if (folder / "config.json").exists():
         config = json.loads((folder / "config.json").read_text())
-        sessions[config["name"]] = ort.InferenceSession(str(folder / config["model_file"]), options,
+        # The graph the service runs on the CPU: its CPU variant where there is one (an Attention node).
+        graph = config.get("variants", {}).get("cpu", {}).get("file", config["model_file"])
+        sessions[config["name"]] = ort.InferenceSession(str(folder / graph), options,
                                                         providers=["CPUExecutionProvider"])
         inputs[config["name"]] = {i.name for i in sessions[config["name"]].get_inputs()}
         outputs[config["name"]] = [o.name for o in sessions[config["name"]].get_outputs()]

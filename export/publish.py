@@ -1,6 +1,8 @@
 """Export one model into the repository: build, (load checkpoint), export, validate, publish.
 
-Each version folder holds its model.onnx and its own config.json; the model's config.json (the same
+Each version folder holds its model.onnx (the traced graph, for every execution provider), for
+dot_product, multi_head and self_attention also model.cpu.onnx (export.fused: one `Attention` node,
+for the CPU execution provider), and its own config.json; the model's config.json (the same
 as its newest version's) says which version is the newest.
 
 Nothing is half-written: the graph is exported and validated in a hidden folder inside the
@@ -20,7 +22,16 @@ import torch
 
 from export.build import build_module, export_onnx, load_checkpoint
 from export.errors import ExportError
-from export.repository import MODEL_FILE, NAME_RULE, ModelConfig, sha256_of, valid_name, write_config
+from export.fused import FUSED_KINDS, export_fused
+from export.repository import (
+    CPU_MODEL_FILE,
+    MODEL_FILE,
+    NAME_RULE,
+    ModelConfig,
+    sha256_of,
+    valid_name,
+    write_config,
+)
 from export.validate import validate
 
 __all__ = ["export_model"]
@@ -38,7 +49,8 @@ def _next_version(model_dir: Path) -> int:
 
 def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
                  checkpoint: Path | None = None, seed: int = 0) -> ModelConfig:
-    """Publish `<repository>/<name>/<version>/model.onnx` and `config.json`; return the config.
+    """Publish `<repository>/<name>/<version>/model.onnx` (and model.cpu.onnx) and `config.json`;
+    return the config. Both graphs pass the same validation against the module before anything is published.
 
     Without a checkpoint the weights are seeded (`seed`), as for the default repository.
     """
@@ -59,12 +71,18 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
         model_path = staging / MODEL_FILE
         opset = export_onnx(module, kind, hp, model_path)
         validate(module, kind, hp, model_path)
+        cpu_path = staging / CPU_MODEL_FILE
+        cpu_opset = export_fused(module, kind, hp, cpu_path) if kind in FUSED_KINDS else None
+        if cpu_opset is not None:
+            validate(module, kind, hp, cpu_path)
         model_dir = repository / name
         model_dir.mkdir(exist_ok=True)
         version = _next_version(model_dir)
+        variants = {} if cpu_opset is None else {
+            "cpu": {"file": f"{version}/{CPU_MODEL_FILE}", "sha256": sha256_of(cpu_path), "opset": cpu_opset}}
         config = ModelConfig.build(
             name=name, kind=kind, version=version, hp=hp, opset=opset, sha256=sha256_of(model_path),
-            versions={"torch": torch.__version__, "onnx": onnx.__version__},
+            versions={"torch": torch.__version__, "onnx": onnx.__version__}, variants=variants,
         )
         write_config(staging, config)  # the version's own description, for a service that loads it later
         staging.rename(model_dir / str(version))

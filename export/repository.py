@@ -4,8 +4,15 @@ Torch-free on purpose: the service imports this module and must not pull torch i
 
 Layout::
 
-    <repository>/<name>/config.json           what the model is and how to call it
-    <repository>/<name>/<version>/model.onnx  one self-contained ONNX file
+    <repository>/<name>/config.json               what the model is and how to call it
+    <repository>/<name>/<version>/model.onnx      one self-contained ONNX file, for every execution provider
+    <repository>/<name>/<version>/model.cpu.onnx  dot_product, multi_head, self_attention: the same model as
+                                                  one ONNX `Attention` node (export.fused), for the CPU only
+
+config.json names each file with its sha256: `model_file` and `sha256`, and per variant
+`variants[provider] = {"file", "sha256", "opset"}` (a repository written before variants has none, and
+every provider runs model.onnx). The service runs `variants["cpu"]` where its sessions run on ONNX
+Runtime's CPU execution provider, and model.onnx elsewhere (`ModelConfig.graph_for`).
 
 Input and output names, dtypes and dynamic axes are declared once here, as data (`signature`),
 and used by the exporter (dynamic shapes), the validator and the service (start-up checks).
@@ -26,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "CONFIG_FILE",
+    "CPU_MODEL_FILE",
     "NAME_RULE",
     "KINDS",
     "MODEL_FILE",
@@ -49,6 +57,7 @@ CONFIG_FILE = "config.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NAME_RULE = "1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
 MODEL_FILE = "model.onnx"
+CPU_MODEL_FILE = "model.cpu.onnx"
 KINDS = ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding")
 
 # The book's configurations: the default repository and the defaults of `--kind`.
@@ -199,10 +208,13 @@ class ModelConfig:
     sha256: str
     versions: dict[str, str] = field(default_factory=dict)  # torch, onnx, ... that made it
     model_file: str = ""
+    # Graphs of the same model for one execution provider: {"cpu": {"file", "sha256", "opset"}}.
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, name: str, kind: str, version: int, hp: dict[str, Any], opset: int,
-              sha256: str, versions: dict[str, str]) -> ModelConfig:
+              sha256: str, versions: dict[str, str],
+              variants: dict[str, dict[str, Any]] | None = None) -> ModelConfig:
         inputs, outputs = signature(kind, hp)
         specs = inputs + outputs
         return cls(
@@ -217,7 +229,19 @@ class ModelConfig:
             sha256=sha256,
             versions=versions,
             model_file=f"{version}/{MODEL_FILE}",
+            variants=variants or {},
         )
+
+    def graph_for(self, cpu: bool) -> tuple[str, str, int]:
+        """(file, sha256, opset) of the graph to run: the CPU variant where the session runs on the CPU
+        execution provider and there is one, else model.onnx."""
+        variant = self.variants.get("cpu") if cpu else None
+        if variant is None:
+            return self.model_file, self.sha256, self.opset
+        if not (isinstance(variant, dict) and isinstance(variant.get("file"), str)
+                and isinstance(variant.get("sha256"), str) and isinstance(variant.get("opset"), int)):
+            raise ValueError('variants["cpu"] must be {"file": str, "sha256": str, "opset": int}')
+        return variant["file"], variant["sha256"], variant["opset"]
 
     def input_specs(self) -> list[TensorSpec]:
         return [TensorSpec(d["name"], d["dtype"], tuple(d["shape"])) for d in self.inputs]

@@ -1,26 +1,35 @@
 """Dynamic batching, a bounded queue, deadlines, and where a session run happens.
 
-Concurrent requests for the same model are merged into one session run. Padding is exact
-because of the masking: queries, keys and values are zero-padded to the batch's largest n_q and
-n_k, and every request's 2-D valid lengths (its own, or its n_k where it sent none) are at most
-its own n_k, so padded keys get weight exactly 0; padded query rows get length 0 and are sliced
-off. Each request gets back exactly its own rows, queries and keys.
+Concurrent requests for the same model are merged into one session run, whatever their shapes
+where the padding costs less than the runs it saves. Padding is exact:
 
-Requests are grouped by feature sizes (dot_product accepts any) and by length bucket (the
-power of two at or above n_q and n_k), so one long request does not make many short ones pay
-for padding, and ONNX Runtime sees a bounded set of shapes.
+- along the sequence axes: queries, keys and values are zero-padded to the batch's largest n_q and
+  n_k, and every request's 2-D valid lengths (its own; its n_k where it sent none; a 1-D length
+  for each of its queries: the graph takes only the 2-D form) are at most its own n_k, so padded
+  keys get weight exactly 0; padded query rows get length 0 and are sliced off;
+- along the feature sizes a graph leaves free: values' (dot_product, additive: zero columns, sliced
+  off the outputs), and dot_product's query and key size d, zero-padded to the batch's largest D
+  with each request's queries scaled by sqrt(D / d), so that the graph's 1/sqrt(D) gives the
+  book's q.k / sqrt(d). The positional encoding's d is not padded (P depends on it): requests group
+  by it.
+
+Each request gets back exactly its own rows, queries, keys and features. Whether a request joins a
+batch is a cost: `RunCost`, per model, says what a run costs (a fixed part, and a part per element of
+its inputs and outputs, padding included), from the model's warm-up runs and then from every run;
+a request joins when the padding it adds costs less than the run of its own it saves, so one long
+request does not make many short ones pay for padding.
 
 Where a batch runs (measured on this project's machines, see docs/benchmarks.md): a hop to a worker
 thread costs 65 to 90 us, while the book's toy request runs in about 20 us. So a batch whose run is
-predicted (from the runs of its model and length bucket so far) to take less than
-`inline_run_s` runs right on the event loop; larger ones go to long-lived inference threads, so
-the loop keeps reading and decoding requests meanwhile. A request that is alone in the server
-(no other in progress) has nothing to overlap with: it runs on the loop when predicted under
-`alone_inline_run_s`. (W2 in binary tensors, a ~0.7 ms run, alone at concurrency 1: 2097 us of
-server CPU a request through the thread, 1555 us on the loop, measured A/B: the hop, the batcher's
-passes of the loop and the GIL's hand-offs.) A batcher is woken by the first request
-put in its queue and takes its batch one loop iteration later: the requests that arrived in the
-same read of the sockets are decoded and queued by then, so they merge with no waiting at all.
+predicted (`RunCost`) to take less than `inline_run_s` runs right on the event loop; larger ones go
+to long-lived inference threads, so the loop keeps reading and decoding requests meanwhile. A
+request that is alone in the server (no other in progress) has nothing to overlap with: it runs on
+the loop when predicted under `alone_inline_run_s`. (W2 in binary tensors, a ~0.7 ms run, alone at
+concurrency 1: 2097 us of server CPU a request through the thread, 1555 us on the loop, measured
+A/B: the hop, the batcher's passes of the loop and the GIL's hand-offs.) A batcher is woken by the
+first request put in its queue and takes its batch one loop iteration later: the requests that
+arrived in the same read of the sockets are decoded and queued by then, so they merge with no
+waiting at all.
 
 With batching off the same queue runs batches of one request: the same admission, deadlines
 and metrics, no merging.
@@ -69,23 +78,32 @@ class BatchLimits:
 _CHECK_CLIENT_AFTER_S = 0.002
 # A batch being gathered waits at most this many times max_wait_s after its oldest request came.
 _GATHER_CAP = 5
-
-
-def bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+# A batch is looked for among at most this many requests it leaves queued (too costly to pad, or over
+# a limit) besides those it takes: the queue is not searched end to end for every batch.
+_PASSED = 64
 
 
 _SEQUENCE = ("n_q", "n_k", "n")
+# The feature sizes that a kind's graph leaves free and a batch may pad (see the module's docstring).
+_PADDED_FEATURES = {"dot_product": ("d", "value_size"), "additive": ("value_size",)}
+
+
+def _fixed_axes(model: LoadedModel) -> frozenset[str]:
+    """The named axes a batch cannot pad: its requests have the same size of each."""
+    padded = {"batch", *_SEQUENCE, *_PADDED_FEATURES.get(model.kind, ())}
+    return frozenset(axis for _, named in model.named_input_axes for _, axis in named if axis not in padded)
 
 
 class Job:
     """One request in the queue: its future gets the encoded response, or the error.
 
     `axes` holds the request's size of every named axis of its model's signature (batch, n_q, n_k
-    or n, and the free feature sizes); requests group by feature sizes and length buckets."""
+    or n, and the free feature sizes); `shape` the same but batch, in the signature's order; `key`
+    the sizes no batch pads (requests of one key may merge); `elements` those of its run's inputs
+    and outputs (`RunCost`)."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
-                 "n_k", "key", "cost")
+                 "n_k", "key", "cost", "shape", "elements")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -101,88 +119,186 @@ class Job:
             sizes = _sizes(request)
             if memo is not None:
                 memo["job sizes"] = sizes
-        self.axes, self.rows, self.n_q, self.n_k, self.key, self.cost = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key, self.cost, self.shape, self.elements = sizes
 
 
-def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, int]:
-    """A Job's axes, rows, n_q, n_k, key, and what its arrays, run and answer cost in memory
-    (service.core.cost.answer), from its request's shapes."""
+def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, int, tuple[int, ...], int]:
+    """A Job's axes, rows, n_q, n_k, key, what its arrays, run and answer cost in memory
+    (service.core.cost.answer), shape and elements, from its request's shapes."""
+    model = request.model
     feed = request.feed
     axes: dict[str, int] = {}
-    for name, named in request.model.named_input_axes:
+    for name, named in model.named_input_axes:
         shape = feed[name].shape
         for i, axis in named:
             axes[axis] = shape[i]
     n_q = axes.get("n_q") or axes["n"]
     # The second length of a run's cost: keys, or for the positional encoding its features.
     n_k = axes.get("n_k") or axes.get("d") or n_q
-    features = tuple(size for name, size in axes.items() if name != "batch" and name not in _SEQUENCE)
+    fixed = _fixed_axes(model)
+    key = tuple(size for name, size in axes.items() if name in fixed)
+    elements = sum(a.size for a in feed.values())
     outputs = weights = 0
-    for spec in request.model.outputs:
+    for spec in model.outputs:
         size = math.prod(axes[d] if d.__class__ is str else d for d in spec.shape)
         outputs += size
         if spec.name == "attention_weights":
             weights = size
-    cost = answer(sum(a.size for a in feed.values()), outputs, weights)
-    return axes, axes["batch"], n_q, n_k, (features, bucket(n_q), bucket(n_k)), cost
+    cost = answer(elements, outputs, weights)
+    shape = tuple(size for name, size in axes.items() if name != "batch")
+    return axes, axes["batch"], n_q, n_k, key, cost, shape, elements + outputs
 
 
 def _heads(model: LoadedModel) -> int:
     return int(model.config.hyperparameters.get("num_heads", 1))
 
 
+class RunCost:
+    """What a session run of one model costs, in seconds: `fixed` + `per_element` * the elements of its
+    inputs and outputs (padding included).
+
+    Where it starts: a line through the warm-up's timed runs (LoadedModel.run_times: a small and a larger
+    input, the fastest of a few each). Then every run of the batcher refines it, older runs weighing
+    `_DECAY` times less a run: while the recent runs' sizes spread enough to tell a slope, the line is
+    fitted to them by least squares; else the warm-up's line is scaled by how much slower (or faster) the
+    recent runs are than it says (a loaded machine slows both parts alike). Without warm-up runs nothing
+    is known until a first run, and no slope (so no padding is worth it) until runs of different sizes."""
+
+    __slots__ = ("fixed", "per_element", "sloped", "_base", "_n", "_x", "_y", "_xx", "_xy", "_ratio")
+    _DECAY = 0.98
+    _MIN_RUNS = 8.0  # (decayed) runs a fitted slope needs
+
+    def __init__(self, points: list[tuple[int, float]] | tuple = ()):
+        self.fixed = math.nan
+        self.per_element = 0.0
+        self.sloped = False
+        self._base: tuple[float, float] | None = None  # the warm-up's line (fixed, per element)
+        self._n = self._x = self._y = self._xx = self._xy = self._ratio = 0.0
+        if points:
+            slope, intercept = _line(points)
+            if slope > 0 and intercept >= 0:
+                self._base, self.sloped = (intercept, slope), True
+            else:
+                self._base = (sum(y for _, y in points) / len(points), 0.0)
+            self.fixed, self.per_element = self._base
+
+    @classmethod
+    def of(cls, fixed: float, per_element: float) -> RunCost:
+        """A cost known outright (for tests and benchmarks): it does not follow the runs."""
+        cost = cls()
+        cost.fixed, cost.per_element, cost.sloped = fixed, per_element, True
+        cost._n = math.inf  # observe() leaves it as it is
+        return cost
+
+    @property
+    def known(self) -> bool:
+        return self.fixed == self.fixed  # not NaN
+
+    def predict(self, elements: int) -> float:
+        return self.fixed + self.per_element * elements
+
+    def padding_limit(self) -> float:
+        """The padded elements a run's fixed cost pays for: a request joins a batch where it adds fewer."""
+        if not self.sloped:
+            return 0.0
+        return self.fixed / self.per_element
+
+    def observe(self, elements: int, seconds: float) -> None:
+        if self._n == math.inf:
+            return
+        if self._base is None:  # the first run of a model not warmed up
+            self._base = (seconds, 0.0)
+        decay = self._DECAY
+        self._n = self._n * decay + 1.0
+        self._x = self._x * decay + elements
+        self._y = self._y * decay + seconds
+        self._xx = self._xx * decay + elements * elements
+        self._xy = self._xy * decay + elements * seconds
+        fixed, per_element = self._base
+        self._ratio = self._ratio * decay + seconds / (fixed + per_element * elements)
+        n = self._n
+        mean_x, mean_y = self._x / n, self._y / n
+        spread = self._xx / n - mean_x * mean_x  # the variance of the sizes
+        if n >= self._MIN_RUNS and spread > (0.25 * mean_x) ** 2:  # sizes spread by a quarter of their mean
+            slope = (self._xy / n - mean_x * mean_y) / spread
+            intercept = mean_y - slope * mean_x
+            if slope > 0 and intercept > 0:
+                self.fixed, self.per_element, self.sloped = intercept, slope, True
+                return
+        scale = self._ratio / n
+        self.fixed, self.per_element = fixed * scale, per_element * scale
+
+
+def _line(points: list[tuple[int, float]] | tuple) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points; slope 0 where their x are one."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if spread == 0:
+        return 0.0, mean_y
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return slope, mean_y - slope * mean_x
+
+
 def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict[str, np.ndarray]:
-    """One feed for every job: zero-padded to the largest size of every sequence axis, stacked along
-    batch. Padded keys are past every job's valid lengths (masked: weight exactly 0) and padded
-    query rows get length 0; both are sliced off the results. `same`: whether the jobs have the same
-    lengths, where the caller knows (`_same_lengths`)."""
+    """One feed for every job: zero-padded to the largest size of every named axis, stacked along
+    batch (see the module's docstring: padded keys are past every job's valid lengths, padded query
+    rows get length 0, dot_product's queries are scaled for a padded d; all sliced off the results).
+    `same`: whether the jobs have the same shapes, where the caller knows (`_same_shapes`)."""
     if len(jobs) == 1:
         return jobs[0].request.feed
-    if _same_lengths(jobs) if same is None else same:
+    if _same_shapes(jobs) if same is None else same:
         # Nothing to pad (the usual batch of like requests): stacked in one call an input.
         return {spec.name: np.concatenate([j.request.feed[spec.name] for j in jobs], dtype=jobs[0].request.feed[
             spec.name].dtype) for spec in model.inputs()}
-    merged_axes = {name: max(j.axes[name] for j in jobs) for name in _SEQUENCE if name in jobs[0].axes}
+    merged_axes = {name: max(j.axes[name] for j in jobs) for name in jobs[0].axes}
     merged_axes["batch"] = sum(j.rows for j in jobs)
+    # dot_product: queries of a shorter d scaled by sqrt(D / d) (1.0: as they are)
+    d = merged_axes.get("d") if model.kind == "dot_product" else None
+    scales = [1.0 if d is None or j.axes["d"] == d else math.sqrt(d / j.axes["d"]) for j in jobs]
     feed: dict[str, np.ndarray] = {}
     for spec in model.inputs():
         first = jobs[0].request.feed[spec.name]
-        shape = tuple(merged_axes.get(name, size) if name.__class__ is str else name
-                      for name, size in zip(spec.shape, first.shape, strict=True))
+        shape = tuple(merged_axes[name] if name.__class__ is str else name for name in spec.shape)
         merged = np.zeros(shape, dtype=first.dtype)  # valid_lens: 0 for padded query rows
+        scaled = spec.name == "queries"
         r = 0
-        for job in jobs:
+        for job, scale in zip(jobs, scales, strict=True):
             part = job.request.feed[spec.name]
             shape = part.shape
             if len(shape) == 3:  # the usual case, sliced without building an index (~2 us a job)
-                merged[r:r + shape[0], :shape[1], :shape[2]] = part
+                where = merged[r:r + shape[0], :shape[1], :shape[2]]
             elif len(shape) == 2:
-                merged[r:r + shape[0], :shape[1]] = part
+                where = merged[r:r + shape[0], :shape[1]]
             else:
-                merged[(slice(r, r + shape[0]), *(slice(0, n) for n in shape[1:]))] = part
+                where = merged[(slice(r, r + shape[0]), *(slice(0, n) for n in shape[1:]))]
+            if scaled and scale != 1.0:
+                np.multiply(part, np.float32(scale), out=where)
+            else:
+                where[...] = part
             r += shape[0]
         feed[spec.name] = merged
     return feed
 
 
-def _same_lengths(jobs: list[Job]) -> bool:
-    """Whether every job has the first's sizes of every axis but batch (jobs of a batch share their
-    feature sizes, so their lengths say it)."""
-    n_q, n_k = jobs[0].n_q, jobs[0].n_k
-    return all(j.n_q == n_q and j.n_k == n_k for j in jobs)
+def _same_shapes(jobs: list[Job]) -> bool:
+    """Whether every job has the first's size of every axis but batch."""
+    shape = jobs[0].shape
+    return all(j.shape == shape for j in jobs)
 
 
 def _slice(spec_shape: tuple, job: Job, row: int) -> tuple[slice, ...]:
-    """A job's part of a merged output: its rows, and its own size of every sequence axis."""
-    return tuple(slice(row, row + job.rows) if name == "batch" else slice(0, job.axes[name]) if name in _SEQUENCE
-                 else slice(None) for name in spec_shape)
+    """A job's part of a merged output: its rows, and its own size of every other named axis."""
+    return tuple(slice(row, row + job.rows) if name == "batch" else slice(0, job.axes[name])
+                 if name.__class__ is str else slice(None) for name in spec_shape)
 
 
 def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[list[Any], float]:
     """Merge, run once, slice each job's rows, queries and keys back out, encode each with its
     job's encoder. Returns the bodies and the seconds the session run took."""
     begun = time.perf_counter()
-    same = len(jobs) > 1 and _same_lengths(jobs)
+    same = len(jobs) > 1 and _same_shapes(jobs)
     feed = merge(model, jobs, same)
     start = time.perf_counter()
     outputs = model.run(feed)
@@ -220,6 +336,32 @@ def _ran(model: LoadedModel, jobs: list[Job], results: list[Any], begun: float, 
     return results, seconds
 
 
+def _terms(model: LoadedModel) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]:
+    """The elements of a run as sums of products: for each input and output, its fixed sizes' product and
+    where its other named axes are in a Job.shape; those with a batch axis (times the rows), and
+    those without (the positional encoding's P)."""
+    order: dict[str, int] = {}
+    for _, named in model.named_input_axes:
+        for _, axis in named:
+            if axis != "batch":
+                order.setdefault(axis, len(order))
+    batched, unbatched = [], []
+    for spec in (*model.inputs(), *model.outputs):
+        fixed = math.prod(d for d in spec.shape if d.__class__ is int)
+        term = (fixed, tuple(order[d] for d in spec.shape if d.__class__ is str and d != "batch"))
+        (batched if "batch" in spec.shape else unbatched).append(term)
+    return tuple(batched), tuple(unbatched)
+
+
+def _product_sum(terms: tuple[tuple[int, tuple[int, ...]], ...], shape: tuple[int, ...]) -> int:
+    total = 0
+    for fixed, where in terms:
+        for i in where:
+            fixed *= shape[i]
+        total += fixed
+    return total
+
+
 class Batcher:
     """The queue of one model and the task that turns it into session runs."""
 
@@ -237,8 +379,9 @@ class Batcher:
         self.size = 0
         self.stepping = False  # a batch is being taken and run (by the batcher's task or by a leader)
         self.running = 0  # batches on inference threads
-        # Seconds per row of a session run, by length bucket: what decides inline or thread.
-        self.per_row: dict[tuple, float] = {}
+        # What a run costs: whether a request's padding is worth a batch, and whether a batch runs inline.
+        self.run_cost = RunCost(model.run_times)
+        self._terms = _terms(model)
 
     def put(self, job: Job) -> None:
         group = self.groups.get(job.key)
@@ -263,47 +406,72 @@ class Batcher:
     def _oldest_group(self) -> deque[Job]:
         return min((g for g in self.groups.values() if g), key=lambda g: g[0].enqueued)
 
-    def _pop(self, group: deque[Job]) -> Job:
+    def _taken(self) -> None:
+        """A job left the queue (to run, or answered already)."""
         self.size -= 1
         self.scheduler.queued -= 1
-        return group.popleft()
 
-    async def _take(self) -> list[Job]:
-        """The next batch: jobs of the group with the oldest head, within the limits; drops jobs
-        whose deadline passed or whose client is gone."""
+
+    async def _take(self) -> tuple[list[Job], int]:
+        """The next batch, and the elements of its run: the group's oldest job, and those after it
+        that fit within the limits and whose padding costs less than their own run would
+        (`RunCost`); the others stay queued, in order. Drops jobs whose deadline passed or whose
+        client is gone."""
         group = self._oldest_group()
         limits = self.limits
         if limits.enabled and limits.max_wait_s > 0:
             await self._gather(group)
         heads = self.heads
+        batched, unbatched = self._terms
+        pad_limit = self.run_cost.padding_limit()
         jobs: list[Job] = []
-        rows = n_q = n_k = 0
+        passed: list[Job] = []  # looked at and left for a later batch
+        rows = n_q = n_k = elements = per_row = extra = 0
+        shape: tuple[int, ...] = ()
         now = time.monotonic()
         while group:
-            job = group[0]
+            job = group.popleft()
             if job.future.done():  # answered already: its deadline passed, or its caller went away
-                self._pop(group)
+                self._taken()
                 continue
             if job.deadline <= now:
-                self._pop(group).future.set_exception(
-                    DeadlineExceeded("the request's deadline passed while it waited in the queue"))
+                self._taken()
+                job.future.set_exception(DeadlineExceeded("the request's deadline passed while it waited in the queue"))
                 continue
             if job.is_disconnected is not None and now - job.enqueued > _CHECK_CLIENT_AFTER_S \
                     and await job.is_disconnected():
-                self._pop(group).future.set_exception(ClientGone("the client disconnected"))
+                self._taken()
+                job.future.set_exception(ClientGone("the client disconnected"))
                 continue
-            if jobs:
-                if not limits.enabled:
-                    break
+            if not jobs:
+                rows, n_q, n_k, shape, elements = job.rows, job.n_q, job.n_k, job.shape, job.elements
+                per_row, extra = _product_sum(batched, shape), _product_sum(unbatched, shape)
+            elif not limits.enabled:
+                passed.append(job)
+                break
+            else:
                 r, q, k = rows + job.rows, max(n_q, job.n_q), max(n_k, job.n_k)
-                if r > limits.max_rows or r * heads * q * k > limits.max_elements:
-                    break
-            jobs.append(self._pop(group))
-            rows, n_q, n_k = rows + job.rows, max(n_q, job.n_q), max(n_k, job.n_k)
+                if job.shape == shape:
+                    wider, p, x = shape, per_row, extra
+                else:
+                    wider = tuple(map(max, shape, job.shape))
+                    p, x = (per_row, extra) if wider == shape else (_product_sum(batched, wider),
+                                                                    _product_sum(unbatched, wider))
+                merged = r * p + x
+                if r > limits.max_rows or r * heads * q * k > limits.max_elements \
+                        or merged - elements - job.elements > pad_limit:
+                    passed.append(job)
+                    if rows >= limits.max_rows or len(passed) >= _PASSED:
+                        break
+                    continue
+                rows, n_q, n_k, shape, elements, per_row, extra = r, q, k, wider, merged, p, x
+            self._taken()
+            jobs.append(job)
+        group.extendleft(reversed(passed))
         if not group:
             for key in [k for k, g in self.groups.items() if not g]:
                 del self.groups[key]
-        return jobs
+        return jobs, elements
 
     async def _gather(self, group: deque[Job]) -> None:
         """Wait for more requests to join while fewer are queued than the server has busy clients
@@ -349,15 +517,10 @@ class Batcher:
             timer.cancel()
             self._gathering = None
 
-    def _inline(self, jobs: list[Job], limit: float) -> bool:
-        """Whether the jobs' run is predicted to take less than `limit` seconds."""
-        per_row = self.per_row.get(jobs[0].key)
-        return per_row is not None and per_row * sum(j.rows for j in jobs) < limit
-
-    def _learn(self, jobs: list[Job], seconds: float) -> None:
-        key, rows = jobs[0].key, sum(j.rows for j in jobs)
-        old = self.per_row.get(key)
-        self.per_row[key] = seconds / rows if old is None else 0.8 * old + 0.2 * seconds / rows
+    def _inline(self, elements: int, limit: float) -> bool:
+        """Whether a run of this many elements is predicted to take less than `limit` seconds."""
+        cost = self.run_cost
+        return cost.known and cost.predict(elements) < limit
 
     def _observe(self, jobs: list[Job]) -> None:
         metrics = self.metrics
@@ -383,24 +546,24 @@ class Batcher:
         """Take the next batch and run it: on the loop when it is short, else on an inference
         thread (this returns once the thread has it)."""
         scheduler = self.scheduler
-        jobs = await self._take()
+        jobs, elements = await self._take()
         if scheduler.depth_gauge is not None:
             scheduler.depth_gauge.set(scheduler.queued)
         if not jobs:
             return
         self._observe(jobs)
-        if self._inline(jobs, self.limits.inline_run_s):
+        if self._inline(elements, self.limits.inline_run_s):
             try:
                 results, seconds = run_batch(self.model, jobs, scheduler.metrics)
             except Exception as e:
                 self._deliver(jobs, None, e)
             else:
-                self._learn(jobs, seconds)
+                self.run_cost.observe(elements, seconds)
                 self._deliver(jobs, results, None)
         else:
             await scheduler.threads.acquire()
             self.running += 1
-            scheduler.spawn(self._in_thread(jobs))
+            scheduler.spawn(self._in_thread(jobs, elements))
 
     def run_alone(self, job: Job) -> Any:
         """`job` at once, in the caller's task, with no queue: for a request the server says is the
@@ -409,7 +572,7 @@ class Batcher:
             raise DeadlineExceeded("the request's deadline passed before it could run")
         self._observe([job])
         results, seconds = run_batch(self.model, [job], self.scheduler.metrics)
-        self._learn([job], seconds)
+        self.run_cost.observe(job.elements, seconds)
         return results[0]
 
     async def lead(self, job: Job) -> None:
@@ -438,7 +601,7 @@ class Batcher:
                 self.stepping = False
             await asyncio.sleep(0)  # the callers of this batch answer; new requests join the next one
 
-    async def _in_thread(self, jobs: list[Job]) -> None:
+    async def _in_thread(self, jobs: list[Job], elements: int) -> None:
         scheduler = self.scheduler
         try:
             results, seconds = await scheduler.loop.run_in_executor(
@@ -446,7 +609,7 @@ class Batcher:
         except Exception as e:
             self._deliver(jobs, None, e)
         else:
-            self._learn(jobs, seconds)
+            self.run_cost.observe(elements, seconds)
             self._deliver(jobs, results, None)
         finally:
             self.running -= 1
@@ -529,7 +692,7 @@ class Scheduler:
                              headers={"Retry-After": "1"})
         batcher = self.batcher_for(job.request.model)
         idle = not batcher.stepping and not batcher.size
-        if idle and alone and batcher._inline([job], self.limits.alone_inline_run_s):
+        if idle and alone and batcher._inline(job.elements, self.limits.alone_inline_run_s):
             return batcher.run_alone(job)
         loop = self.loop
         job.future = future = loop.create_future()

@@ -2,6 +2,11 @@
 
 A session is checked against its config.json (sha256 of the file, input and output names,
 dtypes and shapes) before it is used, and warmed up before the service reports ready.
+
+Which file: a session on the CPU execution provider runs the model's CPU graph where config.json has
+one (`variants["cpu"]`: one ONNX `Attention` node, export.fused), every other session model.onnx.
+ONNX Runtime's CUDA kernel of `Attention` cannot return the weights (NOT_IMPLEMENTED), so the CPU graph
+is never offered to CUDA: a session is opened on it only when the CPU alone runs it.
 """
 
 from __future__ import annotations
@@ -55,11 +60,19 @@ class LoadedModel:
     session: ort.InferenceSession
     provider: str
     cuda_failure: str = ""  # why CUDA was not used, where it was asked for
+    # The graph the session runs: config.json's model_file, or its CPU variant's file (relative to the model's
+    # folder), with its sha256 and opset.
+    model_file: str = ""
+    sha256: str = ""
+    opset: int = 0
     # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
     # (its _Plan): they go with the snapshot, as its signature does.
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # Triton's statistics of this snapshot (service.core.statistics): a version loaded again starts from zero.
     statistics: ModelStatistics = dataclasses.field(default_factory=ModelStatistics, repr=False, compare=False)
+    # (elements of a run's inputs and outputs, its seconds) of the warm-up's timed runs (`warm_up`): where the
+    # batcher's cost model of this snapshot starts (service.core.batching.RunCost).
+    run_times: list[tuple[int, float]] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -128,8 +141,9 @@ class LoadedModel:
             "outputs": self.config.outputs,
             "dynamic_axes": self.config.dynamic_axes,
             "max_len": hp.get("max_len"),
-            "opset": self.config.opset,
-            "sha256": self.config.sha256,
+            "model_file": self.model_file or self.config.model_file,
+            "opset": self.opset or self.config.opset,
+            "sha256": self.sha256 or self.config.sha256,
         }
 
 
@@ -224,44 +238,90 @@ def _check_signature(model: LoadedModel) -> None:
         )
 
 
+# The warm-up's sizes: a small request (the book's examples' size), and one some hundred times its elements.
+_WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8},
+               {"batch": 8, "n_q": 16, "n_k": 16, "n": 16, "d": 32, "value_size": 32})
+_TIMED_RUNS = 5
+
+
 def warm_up(model: LoadedModel) -> None:
-    """One run per model on small inputs, so the first client does not pay for allocation."""
-    sizes = {"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
-    model.run(example_feed(model.kind, model.config.hyperparameters, sizes, np.random.default_rng(0)))
+    """Runs on a small and a larger input, so the first client does not pay for allocation; then each
+    timed a few times (the fastest kept, in `model.run_times`), for the batcher to know from the
+    first request what a run of this model costs (~10 ms a model)."""
+    rng = np.random.default_rng(0)
+    for sizes in _WARM_SIZES:
+        feed = example_feed(model.kind, model.config.hyperparameters, sizes, rng)
+        outputs = model.run(feed)
+        fastest = float("inf")
+        for _ in range(_TIMED_RUNS):
+            start = time.perf_counter()
+            model.run(feed)
+            fastest = min(fastest, time.perf_counter() - start)
+        elements = sum(a.size for a in feed.values()) + sum(a.size for a in outputs.values())
+        model.run_times.append((elements, fastest))
 
 
-def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool,
-               version: int | None = None) -> LoadedModel:
-    """A session for the model's newest version (or `version`), checked against its config.json.
-    Errors name files relative to the repository: they reach clients (GET /models, the load route)."""
-    shown = f"{model_dir.name}/{version}" if version is not None else model_dir.name
-    try:
-        config = read_config(model_dir, version)
-    except Exception as e:
-        raise StartupError(f"model {shown}: unreadable config.json: {_without_paths(str(e), model_dir)}") from e
-    path = model_dir / config.model_file
-    relative = f"{model_dir.name}/{config.model_file}"
-    if not path.is_file():
-        raise StartupError(f"model {config.name}: {relative} is missing")
-    digest = sha256_of(path)
-    if digest != config.sha256:
-        raise StartupError(f"model {config.name}: sha256 of {relative} is {digest}, config.json says {config.sha256}")
+def _session_options(intra_op_threads: int) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
+def _check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int]) -> None:
+    """That the file of `graph` ((file, sha256, opset) from config.json) is there and has the sha256 that
+    config.json names."""
+    file, sha256, _ = graph
+    path = model_dir / file
+    relative = f"{model_dir.name}/{file}"
+    if not path.is_file():
+        raise StartupError(f"model {config.name}: {relative} is missing")
+    digest = sha256_of(path)
+    if digest != sha256:
+        raise StartupError(f"model {config.name}: sha256 of {relative} is {digest}, config.json says {sha256}")
+
+
+def _open(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], intra_op_threads: int,
+          providers: list[Any]) -> tuple[ort.InferenceSession, str]:
+    """A session on `graph`, and why CUDA was not loaded, where it was asked for."""
     try:
-        session, cuda_failure = _new_session(path, options, providers)
+        return _new_session(model_dir / graph[0], _session_options(intra_op_threads), providers)
     except Exception as e:
-        raise StartupError(f"model {config.name}: ONNX Runtime cannot load {relative}: "
+        raise StartupError(f"model {config.name}: ONNX Runtime cannot load {model_dir.name}/{graph[0]}: "
                            f"{_without_paths(str(e), model_dir)}") from e
+
+
+def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool,
+               version: int | None = None) -> LoadedModel:
+    """A session for the model's newest version (or `version`), checked against its config.json: on the
+    CPU graph where only the CPU execution provider is asked for, or where CUDA was asked for and ONNX
+    Runtime fell back to the CPU; on model.onnx otherwise. Every file config.json names must have the
+    sha256 it names, the one not served too: a version is served whole or not at all. Errors name files
+    relative to the repository: they reach clients (GET /models, the load route)."""
+    shown = f"{model_dir.name}/{version}" if version is not None else model_dir.name
+    try:
+        config = read_config(model_dir, version)
+        portable, cpu_graph = config.graph_for(cpu=False), config.graph_for(cpu=True)
+    except Exception as e:
+        raise StartupError(f"model {shown}: unreadable config.json: {_without_paths(str(e), model_dir)}") from e
+    for graph in dict.fromkeys((portable, cpu_graph)):
+        _check_file(model_dir, config, graph)
+    # A provider given with options is a tuple (CUDA's): only a plain "CPUExecutionProvider" is the CPU.
+    graph = cpu_graph if all(p == CPU for p in providers) else portable
+    session, cuda_failure = _open(model_dir, config, graph, intra_op_threads, providers)
     # ORT falls back to the CPU silently when CUDA cannot load: report what really runs.
     provider = session.get_providers()[0]
     if require_cuda and provider != CUDA:
         raise StartupError(f"ATTEND_DEVICE=cuda but CUDA cannot be used ({cuda_failure}); it needs an NVIDIA GPU "
                            "and driver, CUDA 13 and cuDNN 9 (pip install 'onnxruntime-gpu[cuda,cudnn]')")
-    model = LoadedModel(config=config, session=session, provider=provider, cuda_failure=cuda_failure)
+    if provider == CPU and graph != cpu_graph:
+        # CUDA was asked for and ONNX Runtime fell back to the CPU: the CPU's graph, on the CPU alone.
+        graph = cpu_graph
+        session, _ = _open(model_dir, config, graph, intra_op_threads, [CPU])
+    model = LoadedModel(config=config, session=session, provider=provider, cuda_failure=cuda_failure,
+                        model_file=graph[0], sha256=graph[1], opset=graph[2])
     _check_signature(model)
     return model
 
@@ -306,8 +366,8 @@ class Loader:
             # Tried once, fell back: spare the other models the same failed attempt.
             log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
             self.providers = [CPU]
-        log.info("loaded model %s (%s, version %d) on %s in %.2fs", model.name, model.kind, model.config.version,
-                 model.provider, time.perf_counter() - start)
+        log.info("loaded model %s (%s, version %d, %s) on %s in %.2fs", model.name, model.kind, model.config.version,
+                 model.model_file, model.provider, time.perf_counter() - start)
         return model
 
     def newest(self, name: str) -> int | None:

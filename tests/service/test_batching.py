@@ -10,9 +10,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import orjson
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
-from service.core.batching import BatchLimits, Job, Scheduler, _same_lengths, bucket, merge, run_batch
+from service.core.batching import (
+    BatchLimits,
+    Job,
+    RunCost,
+    Scheduler,
+    _product_sum,
+    _same_shapes,
+    _terms,
+    merge,
+    run_batch,
+)
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.core.metrics import Metrics
 from service.core.request import Request
@@ -21,6 +32,7 @@ from service.http.app import create_app
 from service.http.protocol import BusyConnections
 from service.http.schemas import toy_request
 from service.protocols.attend import attend, decode_body, encode_attend
+from tests import book
 
 TOLERANCE = 1e-5
 
@@ -61,7 +73,7 @@ def _lens(rng, form, batch, n_q, n_k):
     return rng.integers(0, n_k + 1, size=shape).tolist()
 
 
-def make_body(kind, rng, batch, n_q, n_k, form, d=None):
+def make_body(kind, rng, batch, n_q, n_k, form, d=None, v=None):
     def arr(*shape):
         return rng.normal(size=shape).round(5).tolist()
 
@@ -77,10 +89,11 @@ def make_body(kind, rng, batch, n_q, n_k, form, d=None):
                 "values": arr(batch, n_k, 100)}
     elif kind == "additive":
         body = {"model": kind, "queries": arr(batch, n_q, 20), "keys": arr(batch, n_k, 2),
-                "values": arr(batch, n_k, 3)}
+                "values": arr(batch, n_k, v or 3)}
     else:
         d = d or 4
-        body = {"model": kind, "queries": arr(batch, n_q, d), "keys": arr(batch, n_k, d), "values": arr(batch, n_k, 5)}
+        body = {"model": kind, "queries": arr(batch, n_q, d), "keys": arr(batch, n_k, d),
+                "values": arr(batch, n_k, v or 5)}
     lens = _lens(rng, form, batch, n_q, n_k)
     if lens is not None:
         body["valid_lens"] = lens
@@ -88,11 +101,13 @@ def make_body(kind, rng, batch, n_q, n_k, form, d=None):
 
 
 def mixed_bodies(kind, count, seed=0):
-    """Different batch sizes, n_q and n_k (within one length bucket and across), every lens form."""
+    """Different batch sizes, n_q and n_k, every lens form (lengths 0 to n_k), and where the graph leaves
+    them free different feature sizes: dot_product's d and value size, additive's value size."""
     rng = np.random.default_rng(seed)
     forms = ["absent", "1d", "2d"]
     return [make_body(kind, rng, int(rng.integers(1, 4)), int(rng.integers(1, 9)), int(rng.integers(1, 9)),
-                      forms[i % 3]) for i in range(count)]
+                      forms[i % 3], d=int(rng.integers(1, 17)) if kind == "dot_product" else None,
+                      v=int(rng.integers(1, 9))) for i in range(count)]
 
 
 def assert_same(batched: bytes, single: bytes):
@@ -127,7 +142,7 @@ def test_one_merged_run_equals_separate_runs(reference, kind, lengths):
     bodies = (mixed_bodies if lengths == "mixed" else like_bodies)(kind, 12, seed=len(kind))
     requests = [reference.decode(b) for b in bodies]
     jobs = [Job(r, deadline=float("inf"), encode=encode_attend) for r in requests]
-    assert _same_lengths(jobs) == (lengths == "same")
+    assert _same_shapes(jobs) == (lengths == "same")
     feed = merge(requests[0].model, jobs)
     first = requests[0].model.inputs()[0].name  # queries, or scores
     assert feed[first].shape[0] == sum(j.rows for j in jobs)  # really one run for all
@@ -149,17 +164,102 @@ def test_merged_weights_are_exactly_zero_on_padding(reference):
     assert np.all(weights[0, 2:] == 0) and np.all(outputs[0, 2:] == 0)  # its padded queries
 
 
-def test_jobs_group_by_feature_size_and_length_bucket(reference):
+def _torch(x, dtype=torch.float32):
+    return None if x is None else torch.tensor(np.array(x), dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", ["dot_product", "masked_softmax"])
+def test_a_mixed_batch_gives_the_books_numbers(reference, kind):
+    """Requests of every size merged into one run (dot_product: d from 1 to 16 padded, queries scaled),
+    each answer against the book's PyTorch module run on that request alone. Lengths 1 to n_k and
+    absent (the book fills a length of 0 with -1e6 and answers uniform weights where ours are 0: the
+    alone answer is the reference of those, in test_one_merged_run_equals_separate_runs)."""
+    rng = np.random.default_rng(11)
+    bodies = []
+    for i in range(14):
+        b, n_q, n_k = (int(x) for x in rng.integers(1, 9, size=3))
+        body = json.loads(make_body(kind, rng, b, n_q, n_k, ["absent", "1d", "2d"][i % 3], d=int(rng.integers(1, 17)),
+                                    v=int(rng.integers(1, 9))))
+        if "valid_lens" in body:
+            body["valid_lens"] = np.maximum(np.array(body["valid_lens"]), 1).tolist()
+        if i == 0:
+            body["valid_lens"] = [n_k] * b  # full
+        bodies.append(json.dumps(body).encode())
+    jobs = [Job(reference.decode(b), float("inf"), encode_attend) for b in bodies]
+    model = jobs[0].request.model
+    if kind == "dot_product":
+        assert len({j.axes["d"] for j in jobs}) > 1 and len({j.axes["value_size"] for j in jobs}) > 1
+    batched, _ = run_batch(model, jobs, Metrics())
+    for body, result in zip(bodies, batched, strict=True):
+        sent, got = json.loads(body), orjson.loads(result)
+        lens = _torch(sent.get("valid_lens"), torch.int64)
+        with torch.no_grad():
+            if kind == "dot_product":
+                module = book.DotProductAttention(0.0).eval()
+                outputs = module(_torch(sent["queries"]), _torch(sent["keys"]), _torch(sent["values"]), lens)
+            else:
+                outputs = book.masked_softmax(_torch(sent["scores"]), lens)
+                module = type("Weights", (), {"attention_weights": outputs})
+        np.testing.assert_allclose(got["outputs"], outputs.numpy(), rtol=TOLERANCE, atol=TOLERANCE)
+        np.testing.assert_allclose(got["attention_weights"], module.attention_weights.numpy(), rtol=TOLERANCE,
+                                   atol=TOLERANCE)
+        assert_same(result, reference.attend(body))
+
+
+def test_jobs_merge_unless_a_size_is_fixed_by_the_graph(reference):
+    """A request's key holds only the sizes no batch pads: none for dot_product (lengths, d and value
+    size all padded), the feature size d for the positional encoding (P depends on it)."""
     rng = np.random.default_rng(0)
 
-    def key(**kw):
+    def key(kind="dot_product", **kw):
         args = {"batch": 1, "n_q": 2, "n_k": 3, "form": "absent"} | kw
-        return Job(reference.decode(make_body("dot_product", rng, **args)), 0.0).key
+        return Job(reference.decode(make_body(kind, rng, **args)), 0.0).key
 
-    assert key() == key(n_k=4, batch=3)
-    assert key() != key(d=7)  # dot_product: other feature sizes, other batches
-    assert key() != key(n_k=9)  # another length bucket
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 128, 129)] == [1, 2, 4, 4, 8, 128, 256]
+    assert key() == key(n_k=4, batch=3) == key(d=7, v=2) == key(n_q=100, n_k=300) == ()
+    assert key("additive", v=2) == key("additive", v=8, n_k=50) == ()
+    assert key("positional_encoding", d=6) == key("positional_encoding", d=6, n_q=40) == (6,)
+    assert key("positional_encoding", d=8) == (8,)
+
+
+def test_a_jobs_elements_are_its_runs(reference, registry):
+    """Job.elements (what RunCost prices) is the elements of the request's run, inputs and outputs, and
+    the batcher's count of a merged run's is that of the merged feed and its outputs."""
+    rng = np.random.default_rng(4)
+    for kind in ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding"):
+        jobs = [Job(reference.decode(b), 0.0) for b in mixed_bodies(kind, 5, seed=int(rng.integers(100)))]
+        model = jobs[0].request.model
+        for job in jobs:
+            outputs = model.run(job.request.feed)
+            assert job.elements == sum(a.size for a in job.request.feed.values()) + sum(
+                a.size for a in outputs.values())
+        feed = merge(model, jobs)
+        widest = tuple(max(s) for s in zip(*(j.shape for j in jobs), strict=True))
+        batched, unbatched = _terms(model)
+        assert sum(j.rows for j in jobs) * _product_sum(batched, widest) + _product_sum(unbatched, widest) == sum(
+            a.size for a in feed.values()) + sum(a.size for a in model.run(feed).values())
+
+
+def test_run_cost_fits_the_warm_up_and_follows_the_runs(registry):
+    """The warm-up's two timed sizes give a fixed part and a slope; runs of one size, slower, scale both
+    (the padding worth a run stays); runs of spread sizes fit both again."""
+    model = registry.get("dot_product")
+    assert len(model.run_times) == 2 and model.run_times[0][0] < model.run_times[1][0]
+    cost = RunCost([(100, 20e-6), (10_100, 40e-6)])
+    assert cost.known and cost.fixed == pytest.approx(19.8e-6) and cost.per_element == pytest.approx(2e-9)
+    assert cost.padding_limit() == pytest.approx(9900)
+    for _ in range(300):  # three times slower, all of one size: the slope cannot be told, the line scales
+        cost.observe(1000, 3 * 21.8e-6)
+    assert cost.predict(1000) == pytest.approx(3 * 21.8e-6, rel=1e-3)
+    assert cost.per_element == pytest.approx(6e-9, rel=1e-3) and cost.padding_limit() == pytest.approx(9900)
+    for _ in range(300):
+        for elements in (1000, 5000):  # 10 us + 10 ns an element
+            cost.observe(elements, 10e-6 + 10e-9 * elements)
+    assert cost.per_element == pytest.approx(10e-9, rel=1e-3) and cost.fixed == pytest.approx(10e-6, rel=1e-3)
+    unknown = RunCost()
+    assert not unknown.known and unknown.padding_limit() == 0
+    unknown.observe(500, 30e-6)
+    assert unknown.known and unknown.predict(500) == pytest.approx(30e-6) and unknown.padding_limit() == 0
+    assert RunCost([(100, 20e-6), (10_100, 10e-6)]).padding_limit() == 0  # a slope below 0: noise, not a cost
 
 
 def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference):
@@ -175,7 +275,8 @@ def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference):
         jobs = [Job(r, 0.0) for r in requests]
         assert requests[0].memo["job sizes"] is not None
         for job, request in zip(jobs, requests, strict=True):
-            assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.cost) == _sizes(request)
+            assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.cost, job.shape, job.elements) == \
+                _sizes(request)
             assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
         other = reference.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
         assert other.memo is not requests[0].memo
@@ -285,11 +386,57 @@ async def test_batches_respect_row_and_element_limits(registry, reference, limit
         assert runs(metrics, "dot_product") == expected_runs
 
 
+async def _held_runs(registry, reference, bodies, cost=None):
+    """`bodies` queued together in a held scheduler, then let go: each answer checked against its own
+    alone, and the session runs they took."""
+    async with busy(registry) as (scheduler, metrics, hold):
+        model = reference.decode(bodies[0]).model
+        if cost is not None:
+            scheduler.batcher_for(model).run_cost = cost
+        tasks = [asyncio.create_task(scheduler.submit(_job(reference, b))) for b in bodies]
+        await asyncio.sleep(0.01)
+        hold.resume()
+        results = await asyncio.gather(*tasks)
+        for body, result in zip(bodies, results, strict=True):
+            assert_same(result, reference.attend(body))
+        assert scheduler.queued == 0
+        return runs(metrics, model.name)
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("fixed_us, runs_expected", [(100, 1), (1, 2)])
+async def test_padding_is_refused_when_it_costs_more_than_a_run(registry, reference, fixed_us, runs_expected):
+    """A request of 2 x 2 queries and keys (d 4, value size 5) and one of 6 x 6: padding the short one
+    adds 1 x (6 x 4 + 6 x 4 + 6 x 5 + 6 + 6 x 5 + 6 x 6) - 62 = 118 elements, at 100 ns an element 11.8 us: a
+    run's fixed cost of 100 us pays for it (one run), one of 1 us does not (two)."""
+    rng = np.random.default_rng(5)
+    bodies = [make_body("dot_product", rng, 1, 2, 2, "absent"), make_body("dot_product", rng, 1, 6, 6, "1d")]
+    assert await _held_runs(registry, reference, bodies, RunCost.of(fixed_us * 1e-6, 100e-9)) == runs_expected
+
+
+@pytest.mark.anyio
+async def test_the_measured_cost_merges_small_requests_and_not_a_small_with_a_large_one(registry, reference):
+    """With the cost the model's warm-up measured: twelve small requests of every shape (d and value
+    size too) take one run; a 1 x 1 x 1 request does not pad to 256 x 256 x 64 (~131K elements a row,
+    where a run's fixed cost pays for some 10-30K), and the small one after the large one merges with the
+    first."""
+    small = mixed_bodies("dot_product", 12, seed=3)
+    assert await _held_runs(registry, reference, small) == 1
+    rng = np.random.default_rng(6)
+    mixed = [make_body("dot_product", rng, 1, 1, 1, "absent", d=1, v=1),
+             make_body("dot_product", rng, 2, 256, 256, "1d", d=64, v=64),
+             make_body("dot_product", rng, 1, 2, 2, "absent", d=2, v=1)]
+    assert await _held_runs(registry, reference, mixed) == 2  # the two small ones after the large one
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("warmed", [True, False])
 @pytest.mark.parametrize("alone_limit, on_thread", [(1.0, False), (0.0, True)])
-async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, reference, alone_limit, on_thread):
+async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, reference, alone_limit, on_thread,
+                                                                   warmed):
     """Batches never run on the loop here (inline_run_s 0); a request the server says is alone does,
-    once its run is known to take less than alone_inline_run_s. Seen from the thread its encoder runs on."""
+    once its run is predicted to take less than alone_inline_run_s: from the model's warm-up runs, or
+    without them (a cost not known) from the second on. Seen from the thread its encoder runs on."""
     where = []
 
     def encode(model, outputs, weights):
@@ -299,6 +446,8 @@ async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, re
     scheduler = Scheduler([registry.get(n) for n in registry.names()],
                           BatchLimits(inline_run_s=0.0, alone_inline_run_s=alone_limit), 1, Metrics())
     scheduler.start()
+    if not warmed:
+        scheduler.batcher_for(registry.get("additive")).run_cost = RunCost()
     try:
         body = json.dumps(toy_request()).encode()
         first = await scheduler.submit(Job(reference.decode(body), time.monotonic() + 5, encode), alone=True)
@@ -306,7 +455,7 @@ async def test_a_request_alone_runs_on_the_loop_under_its_own_limit(registry, re
     finally:
         await scheduler.stop()
     assert first == second == reference.attend(body)
-    assert where == [True, on_thread]  # the first: its run time not known yet
+    assert where == [on_thread if warmed else True, on_thread]
 
 
 def test_busy_connections_count_the_clients_with_a_recent_request_not_idle_ones():
@@ -406,7 +555,9 @@ async def test_batching_off_runs_one_request_at_a_time(registry, reference):
 # --- over HTTP: many different concurrent requests, each equal to its own unbatched answer ----
 
 def test_concurrent_requests_are_merged_and_each_gets_its_own_answer(settings, reference):
-    wait = settings.model_copy(update={"max_batch_wait_us": 20_000, "inference_threads": 1})
+    # TestClient's requests reach the app one by one as often as not: each alone in the server, which the
+    # warm-up's cost says runs at once. Never at once here, so that they queue and wait for each other.
+    wait = settings.model_copy(update={"max_batch_wait_us": 20_000, "inference_threads": 1, "alone_inline_run_us": 0})
     bodies = [b for kind in ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax",
                              "positional_encoding") for b in mixed_bodies(kind, 10, seed=7)]
     with TestClient(create_app(wait)) as client:

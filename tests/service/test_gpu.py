@@ -41,6 +41,9 @@ def test_every_kind_runs_on_cuda_with_the_cpus_numbers(cuda_registry, cpu_regist
     on_gpu, on_cpu = cuda_registry.get(kind), cpu_registry.get(kind)
     assert on_gpu.provider == CUDA and on_gpu.session.get_providers()[0] == CUDA
     assert on_cpu.provider == CPU
+    # CUDA runs model.onnx (its Attention kernel refuses the weights output); the CPU its own graph where there is one.
+    assert on_gpu.model_file == "1/model.onnx"
+    assert on_cpu.model_file == ("1/model.cpu.onnx" if on_cpu.config.variants else "1/model.onnx")
     feed = example_feed(kind, on_gpu.config.hyperparameters, sizes, np.random.default_rng(0))
     if "valid_lens" in feed:  # lengths of every kind: none, some, all
         lens = feed["valid_lens"]

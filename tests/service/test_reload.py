@@ -109,6 +109,7 @@ def test_a_new_version_loads_under_load_with_nothing_failed(repo):
         assert not [k for k in kinds if k[0] > loaded_at and k[2] == "old"]  # none old after the load returned
         assert {k[2] for k in kinds} == {"old", "new"} and len(kinds) > 50
         assert _version(url) == 2
+        assert httpx.get(f"{url}/models/multi_head", timeout=10).json()["model_file"] == "2/model.cpu.onnx"
         index = httpx.post(f"{url}/v2/repository/index", headers=ADMIN).json()
         assert {(r["name"], r["version"], r["state"]) for r in index} == {("multi_head", "1", ""),
                                                                           ("multi_head", "2", "READY")}

@@ -100,7 +100,7 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
             def send(body):
                 return http.post("/attend", content=body, headers={"content-type": "application/json"})
 
-            for _ in range(3):  # the first runs of a length bucket go to the inference thread; later ones inline
+            for _ in range(3):  # three rounds: the batcher's cost model (RunCost) refined by the runs before
                 with ThreadPoolExecutor(32) as pool:
                     responses = list(pool.map(send, bodies))
                 for body, response in zip(bodies, responses, strict=True):

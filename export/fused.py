@@ -1,0 +1,154 @@
+"""The CPU graph of the dot-product family: one ONNX `Attention` node (opset 23) in place of the traced
+MatMul, Mul, Where, Softmax, Where, MatMul, built from the same module's weights and served only on ONNX
+Runtime's CPU execution provider (config.json's `variants["cpu"]`).
+
+Why a second graph: on the CPU the node is one kernel (one pass over the scores for the mask, the scale
+and the softmax), where the traced graph makes several passes over (batch, heads, n_q, n_k) tensors;
+`python bench/compute.py` measures both. Why not the only graph: ONNX Runtime's CUDA kernel of
+`Attention` refuses `qk_matmul_output_mode` 3 (NOT_IMPLEMENTED in 1.31), and the weights output is
+part of every answer; model.onnx, the traced graph, stays what every other execution provider runs.
+
+The graph takes what the traced one takes and answers the same, name for name and axis for axis
+(`export.repository.signature`):
+
+- the mask `arange(n_k) < valid_lens` is built in the graph from the 2-D int64 lengths the service
+  feeds (1-D and absent lengths are made 2-D before, `valid_lens_2d`), as models.masked_softmax does;
+- `qk_matmul_output_mode` = 3 makes the node's fourth output the post-softmax weights;
+- the scale is the node's default, 1/sqrt(head size), the book's 1/sqrt(d);
+- a query of valid length 0 (or less) has an all-False mask row: ONNX Runtime's CPU kernel fills
+  masked scores with -inf and its softmax turns such a row into zeros, so the weights and the output
+  are zero there, as models.masked_softmax makes them (not the book's uniform weights): the
+  validator's sweep (export.validate) checks it on every export.
+- onnx's shape inference gives the node's outputs a last axis of 0 where sizes are symbolic;
+  ONNX Runtime reports a graph output's shape from it, and the service checks the session's shapes
+  against config.json. Each output therefore leaves through a Reshape to a shape computed from the
+  inputs (free: ONNX Runtime's Reshape aliases its input), whose inferred axes are unknown and take
+  the names the graph's outputs declare.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from export.errors import ExportError
+from export.repository import signature
+
+__all__ = ["FUSED_KINDS", "OPSET", "export_fused", "fused_graph"]
+
+OPSET = 23  # Attention is an operator from opset 23 on
+FUSED_KINDS = ("dot_product", "multi_head", "self_attention")
+_TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
+
+
+class _Graph:
+    """Nodes and initializers, with fresh names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], output: str | list[str], **attrs: Any) -> str:
+        outputs = [output] if isinstance(output, str) else output
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, **attrs))
+        return outputs[0]
+
+    def linear(self, x: str, layer: nn.Linear, name: str) -> str:
+        """x @ W.T (+ b), as nn.Linear."""
+        weight = layer.weight.detach().to("cpu").numpy().T.copy()
+        y = self.op("MatMul", [x, self.const(f"{name}.weight", weight)], f"{name}.out" if layer.bias is None
+                    else f"{name}.matmul")
+        if layer.bias is not None:
+            bias = layer.bias.detach().to("cpu").numpy().copy()
+            y = self.op("Add", [y, self.const(f"{name}.bias", bias)], f"{name}.out")
+        return y
+
+
+def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelProto:
+    """The `Attention`-node graph of `module` (a models.DotProductAttention, MultiHeadAttention or
+    SelfAttention of `kind` with hyperparameters `hp`), with `signature(kind, hp)`'s inputs and outputs."""
+    if kind not in FUSED_KINDS:
+        raise ExportError(f"no fused graph for kind {kind!r}; only for {', '.join(FUSED_KINDS)}")
+    inputs, outputs = signature(kind, hp)
+    g = _Graph()
+    heads = 1 if kind == "dot_product" else int(hp["num_heads"])
+    queries = "queries"
+    keys, values = ("queries", "queries") if kind == "self_attention" else ("keys", "values")
+
+    if kind == "self_attention":
+        # X + P[:n], P the module's own table (max_len rows): a longer sequence fails to broadcast,
+        # as in the traced graph (the service refuses n > max_len before).
+        table = module.pos_encoding.P.detach().to("cpu").numpy()[0]  # (max_len, num_hiddens)
+        n = g.op("Shape", [queries], "n", start=1, end=2)
+        rows = g.op("Slice", [g.const("P", table), g.const("zero_1", np.array([0], np.int64)), n,
+                              g.const("axis_0", np.array([0], np.int64))], "P_n")
+        queries = keys = values = g.op("Add", ["queries", rows], "X")
+
+    # The mask: position j of the keys is attended to by query i of example b when j < valid_lens[b, i].
+    lens = g.op("Unsqueeze", ["valid_lens", g.const("axes_1_3", np.array([1, 3], np.int64))], "lens")  # (b, 1, n_q, 1)
+    n_k_1 = g.op("Shape", [keys], "n_k_1", start=1, end=2)  # [n_k]
+    n_k = g.op("Squeeze", [n_k_1], "n_k")
+    positions = g.op("Range", [g.const("zero", np.array(0, np.int64)), n_k, g.const("one", np.array(1, np.int64))],
+                     "positions")  # (n_k,)
+    mask = g.op("Less", [positions, lens], "mask")  # (batch, 1, n_q, n_k), True = attend
+
+    if kind == "dot_product":
+        q, k, v = queries, keys, values
+    else:
+        q = g.linear(queries, module.W_q, "W_q")
+        k = g.linear(keys, module.W_k, "W_k")
+        v = g.linear(values, module.W_v, "W_v")
+    # 3-D Q, K, V: the node splits the last axis into heads and joins them again in Y, as
+    # MultiHeadAttention's _split_heads and its transpose-reshape do.
+    y, scores = "attended", "weights"
+    g.op("Attention", [q, k, v, mask], [y, "", "", scores], q_num_heads=heads, kv_num_heads=heads,
+         qk_matmul_output_mode=3)
+
+    # Shapes for the outputs' Reshapes, from the inputs.
+    batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
+    if kind == "dot_product":
+        value_size = g.op("Shape", [values], "value_size", start=2, end=3)
+        out_shape = g.op("Concat", [batch_n_q, value_size], "out_shape", axis=0)
+        weights_shape = g.op("Concat", [batch_n_q, n_k_1], "weights_shape", axis=0)
+        g.op("Reshape", [y, out_shape], "outputs")
+    else:
+        batch = g.op("Shape", [queries], "batch", start=0, end=1)
+        n_q = g.op("Shape", [queries], "n_q", start=1, end=2)
+        hidden = g.const("hidden", np.array([hp["num_hiddens"]], np.int64))
+        y = g.op("Reshape", [y, g.op("Concat", [batch_n_q, hidden], "y_shape", axis=0)], "attended_3d")
+        out = g.linear(y, module.W_o, "W_o")
+        g.op("Reshape", [out, g.op("Concat", [batch_n_q, hidden], "out_shape", axis=0)], "outputs")
+        weights_shape = g.op("Concat", [batch, g.const("heads", np.array([heads], np.int64)), n_q, n_k_1],
+                             "weights_shape", axis=0)
+    g.op("Reshape", [scores, weights_shape], "attention_weights")
+
+    graph = helper.make_graph(
+        g.nodes, f"{kind}_fused",
+        [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], list(s.shape)) for s in inputs],
+        [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], list(s.shape)) for s in outputs],
+        g.initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="attend export.fused")
+    model.ir_version = 10  # what ONNX Runtime 1.2x reads; opset 23 needs IR 10
+    return model
+
+
+def export_fused(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> int:
+    """Write `module`'s fused graph to `path` (one self-contained file); returns the opset."""
+    model = fused_graph(kind, module, hp)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:
+        raise ExportError(f"the fused graph of {kind} is not valid ONNX: {e}") from e
+    onnx.save(model, str(path))
+    return OPSET

@@ -1,0 +1,155 @@
+"""The CPU graph (export.fused, `model.cpu.onnx`): one `Attention` node, written and validated beside
+model.onnx, named in config.json, and the same numbers as the PyTorch module, the book's code and the
+plain-math oracle, valid lengths 0 and full included."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export.build import build_module
+from export.cli import main
+from export.errors import ExportError, ValidationError
+from export.fused import FUSED_KINDS, fused_graph
+from export.repository import CONFIG_FILE, KINDS, default_hyperparameters, read_config, sha256_of
+from export.validate import run_case, sweep
+from tests import book
+from tests.export.test_export import _extra_cases
+from tests.models import oracle
+
+pytestmark = pytest.mark.slow
+
+
+def _session(path_or_model):
+    source = path_or_model.SerializeToString() if isinstance(path_or_model, onnx.ModelProto) else str(path_or_model)
+    return ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_names_the_cpu_graph_with_its_sha256(repository, kind):
+    config = read_config(repository / kind)
+    raw = json.loads((repository / kind / "1" / CONFIG_FILE).read_text())
+    if kind not in FUSED_KINDS:
+        assert config.variants == {} and raw["variants"] == {}
+        assert config.graph_for(cpu=True) == ("1/model.onnx", config.sha256, config.opset)
+        return
+    variant = config.variants["cpu"]
+    path = repository / kind / variant["file"]
+    assert variant == {"file": "1/model.cpu.onnx", "sha256": sha256_of(path), "opset": 23}
+    assert raw["variants"] == config.variants  # the version's own config.json says the same
+    assert config.graph_for(cpu=True) == ("1/model.cpu.onnx", variant["sha256"], 23)
+    assert config.graph_for(cpu=False) == ("1/model.onnx", config.sha256, config.opset)
+    model = onnx.load(str(path))
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("Attention") == 1 and "Softmax" not in ops and "Where" not in ops
+    attention = next(node for node in model.graph.node if node.op_type == "Attention")
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}["qk_matmul_output_mode"] == 3
+    # The session's signature is config.json's, axis names included (the service checks it at load).
+    session = _session(path)
+    assert [(i.name, i.shape) for i in session.get_inputs()] == [(s["name"], s["shape"]) for s in config.inputs]
+    assert [(o.name, o.shape) for o in session.get_outputs()] == [(s["name"], s["shape"]) for s in config.outputs]
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_the_cpu_graph_matches_pytorch_on_many_shapes(repository, kind):
+    hp = default_hyperparameters(kind)
+    torch.manual_seed(0)  # the exporter's default seed: the same weights
+    module = build_module(kind, hp)
+    session = _session(repository / kind / read_config(repository / kind).variants["cpu"]["file"])
+    cases = sweep(kind, hp) + _extra_cases(kind)
+    for seed, case in enumerate(cases):
+        run_case(module, session, kind, hp, case, seed=seed)  # raises on any disagreement (1e-5)
+
+
+def _lens(form, batch, n_q, n_k, rng):
+    """Lengths with 0 and n_k among them (and one past n_k: every key)."""
+    lens = rng.integers(0, n_k + 2, size=(batch,) if form == "1d" else (batch, n_q))
+    flat = lens.reshape(-1)
+    flat[0], flat[-1] = 0, n_k
+    return lens
+
+
+def _graph_lens(lens, n_q):
+    return lens if lens.ndim == 2 else np.repeat(lens[:, None], n_q, axis=1)
+
+
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_dot_product_cpu_graph_is_the_oracle_and_the_book(repository, form):
+    rng = np.random.default_rng(5)
+    batch, n_q, n_k, d, v = 3, 6, 17, 8, 5
+    Q, K, V = (rng.standard_normal(s, dtype=np.float32) for s in ((batch, n_q, d), (batch, n_k, d), (batch, n_k, v)))
+    lens = _lens(form, batch, n_q, n_k, rng)
+    session = _session(repository / "dot_product" / "1" / "model.cpu.onnx")
+    out, weights = session.run(None, {"queries": Q, "keys": K, "values": V, "valid_lens": _graph_lens(lens, n_q)})
+    want_out, want_w = oracle.dot_product(Q.astype(np.float64), K.astype(np.float64), V.astype(np.float64), lens)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-5, atol=1e-5)
+    zero = _graph_lens(lens, n_q) == 0
+    assert zero.any() and np.all(out[zero] == 0) and np.all(weights[zero] == 0)  # attends to nothing: zeros
+    # The book's code, on the rows it defines (its -1e6 fill makes a length-0 row uniform).
+    theirs = book.DotProductAttention(0.0).eval()
+    with torch.no_grad():
+        book_out = theirs(*map(torch.from_numpy, (Q, K, V)), torch.from_numpy(lens)).numpy()
+    np.testing.assert_allclose(out[~zero], book_out[~zero], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weights[~zero], theirs.attention_weights.numpy()[~zero], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_multi_head_cpu_graph_is_the_oracle(repository, form):
+    rng = np.random.default_rng(6)
+    batch, n_q, n_k = 2, 5, 12
+    Q, K, V = (rng.standard_normal((batch, n, 100), dtype=np.float32) for n in (n_q, n_k, n_k))
+    lens = _lens(form, batch, n_q, n_k, rng)
+    torch.manual_seed(0)
+    module = build_module("multi_head", default_hyperparameters("multi_head"))
+    W = [getattr(module, name).weight.detach().double().numpy() for name in ("W_q", "W_k", "W_v", "W_o")]
+    session = _session(repository / "multi_head" / "1" / "model.cpu.onnx")
+    out, weights = session.run(None, {"queries": Q, "keys": K, "values": V, "valid_lens": _graph_lens(lens, n_q)})
+    want_out, want_w = oracle.multi_head(*W, 5, Q.astype(np.float64), K.astype(np.float64), V.astype(np.float64),
+                                         lens)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-5, atol=1e-5)
+    zero = _graph_lens(lens, n_q) == 0
+    assert zero.any() and np.all(out[zero] == 0) and np.all(weights.transpose(0, 2, 1, 3)[zero] == 0)
+
+
+def test_a_books_checkpoint_with_bias_gives_the_books_numbers_on_the_cpu_graph(tmp_path):
+    torch.manual_seed(3)
+    theirs = book.MultiHeadAttention(6, 4, 5, 12, 3, 0.0, bias=True).eval()
+    torch.save(theirs.state_dict(), tmp_path / "mha.pt")
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", "multi_head", "--name", "mha", "--checkpoint",
+                 str(tmp_path / "mha.pt"), "--num-heads", "3"]) == 0
+    config = read_config(repo / "mha")
+    Q, K, V = torch.randn(2, 5, 4), torch.randn(2, 8, 6), torch.randn(2, 8, 5)
+    lens = torch.tensor([[1, 2, 3, 8, 9], [4, 5, 6, 7, 8]])
+    out, weights = _session(repo / "mha" / config.variants["cpu"]["file"]).run(None, {
+        "queries": Q.numpy(), "keys": K.numpy(), "values": V.numpy(), "valid_lens": lens.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(out, theirs(Q, K, V, lens).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights.reshape(6, 5, 8), theirs.attention.attention_weights.numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_cpu_graph_that_fails_validation_publishes_nothing(tmp_path, monkeypatch):
+    import export.publish as publish
+
+    def wrong(module, kind, hp, path):  # another seed's weights: model.onnx validates, the CPU graph must not
+        torch.manual_seed(1)
+        onnx.save(fused_graph(kind, build_module(kind, hp), hp), str(path))
+        return 23
+
+    monkeypatch.setattr(publish, "export_fused", wrong)
+    repo = tmp_path / "repo"
+    with pytest.raises(ValidationError, match="differs from PyTorch"):
+        publish.export_model(repo, "mha", "multi_head", default_hyperparameters("multi_head"))
+    assert sorted(p.name for p in repo.iterdir()) == []
+
+
+def test_only_the_dot_product_family_has_a_cpu_graph():
+    hp = default_hyperparameters("additive")
+    with pytest.raises(ExportError, match="no fused graph for kind 'additive'"):
+        fused_graph("additive", build_module("additive", hp), hp)

@@ -1,0 +1,218 @@
+"""The CPU graph (config.json's variants["cpu"], model.cpu.onnx) in the service: served where the CPU
+execution provider runs the model, said by GET /models/{name}, the oracle's numbers through HTTP for
+1-D and 2-D valid lengths (0 and full among them), checked at load as model.onnx is (a broken one is
+refused with its reason), loaded again with a new version; a repository without variants still serves."""
+
+import json
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from export.build import build_module
+from export.cli import main as export
+from export.repository import default_hyperparameters, sha256_of
+from service.core.runtime import CPU, Registry, StartupError
+from tests.models import oracle
+from tests.server import running_service
+
+pytestmark = pytest.mark.slow
+
+FUSED = ("dot_product", "multi_head", "self_attention")
+ADMIN = {"Authorization": "Bearer admin-key-1"}
+
+
+@pytest.fixture
+def repo(repository, tmp_path):
+    """The default repository, less the kinds without a CPU graph but additive (quicker to start)."""
+    path = shutil.copytree(repository, tmp_path / "repo")
+    for name in ("masked_softmax", "positional_encoding"):
+        shutil.rmtree(path / name)
+    return path
+
+
+def _config(repo, name, version=None):
+    folder = repo / name if version is None else repo / name / str(version)
+    return json.loads((folder / "config.json").read_text())
+
+
+def _write_config(repo, name, config):
+    for path in (repo / name / "config.json", repo / name / "1" / "config.json"):
+        path.write_text(json.dumps(config))
+
+
+def _lens(form, batch, n_q, n_k, rng):
+    lens = rng.integers(0, n_k + 1, size=(batch,) if form == "1d" else (batch, n_q))  # the service takes 0..n_k
+    flat = lens.reshape(-1)
+    flat[0], flat[-1] = 0, n_k  # attends to nothing, and to every key
+    return lens
+
+
+def _post(url, body):
+    response = httpx.post(f"{url}/attend", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return np.array(response.json()["outputs"]), np.array(response.json()["attention_weights"])
+
+
+def test_the_service_serves_the_cpu_graph_with_the_oracles_numbers(repo):
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)  # the exporter's default seed: the served weights
+    mha = build_module("multi_head", default_hyperparameters("multi_head"))
+    W = [getattr(mha, name).weight.detach().double().numpy() for name in ("W_q", "W_k", "W_v", "W_o")]
+    with running_service(repo) as (url, _):
+        for name in ("additive", *FUSED):
+            described = httpx.get(f"{url}/models/{name}", timeout=10).json()
+            config = _config(repo, name)
+            assert described["provider"] == CPU
+            if name == "additive":  # no CPU graph: model.onnx
+                assert (described["model_file"], described["sha256"]) == ("1/model.onnx", config["sha256"])
+            else:
+                assert described["model_file"] == "1/model.cpu.onnx" and described["opset"] == 23
+                assert described["sha256"] == config["variants"]["cpu"]["sha256"] == \
+                    sha256_of(repo / name / "1" / "model.cpu.onnx")
+        for form in ("1d", "2d"):
+            batch, n_q, n_k = 3, 7, 19
+            Q = rng.standard_normal((batch, n_q, 6)).astype(np.float32)
+            K = rng.standard_normal((batch, n_k, 6)).astype(np.float32)
+            V = rng.standard_normal((batch, n_k, 4)).astype(np.float32)
+            lens = _lens(form, batch, n_q, n_k, rng)
+            body = {"model": "dot_product", "queries": Q.tolist(), "keys": K.tolist(), "values": V.tolist(),
+                    "valid_lens": lens.tolist()}
+            out, weights = _post(url, body)
+            want_out, want_w = oracle.dot_product(*(a.astype(np.float64) for a in (Q, K, V)), lens)
+            np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(weights, want_w, rtol=1e-5, atol=1e-5)
+            assert np.all(out[0, 0] == 0) and np.all(weights[0, 0] == 0)  # length 0: zeros, as the oracle
+
+            Q, K, V = (rng.standard_normal((2, n, 100)).astype(np.float32) for n in (5, 11, 11))
+            lens = _lens(form, 2, 5, 11, rng)
+            body = {"model": "multi_head", "queries": Q.tolist(), "keys": K.tolist(), "values": V.tolist(),
+                    "valid_lens": lens.tolist()}
+            out, weights = _post(url, body)
+            want_out, want_w = oracle.multi_head(*W, 5, *(a.astype(np.float64) for a in (Q, K, V)), lens)
+            np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(weights, want_w, rtol=1e-5, atol=1e-5)
+
+            X = rng.standard_normal((2, 9, 100)).astype(np.float32)
+            lens = _lens(form, 2, 9, 9, rng)
+            out, weights = _post(url, {"model": "self_attention", "queries": X.tolist(), "valid_lens": lens.tolist()})
+            torch.manual_seed(0)
+            module = build_module("self_attention", default_hyperparameters("self_attention"))
+            with torch.no_grad():
+                want_out, want_w = module(torch.from_numpy(X), torch.from_numpy(lens))
+            np.testing.assert_allclose(out, want_out.numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(weights, want_w.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _variant_wrong_sha(repo):
+    path = repo / "dot_product" / "1" / "model.cpu.onnx"
+    path.write_bytes(path.read_bytes() + b"\x00")
+
+
+def _variant_corrupt(repo):
+    path = repo / "dot_product" / "1" / "model.cpu.onnx"
+    path.write_bytes(b"\x08\x07garbage" * 100)
+    config = _config(repo, "dot_product")
+    config["variants"]["cpu"]["sha256"] = sha256_of(path)  # the hash fits: the file is just bad
+    _write_config(repo, "dot_product", config)
+
+
+def _variant_of_another_signature(repo):
+    # additive's model.onnx, a valid graph with a fitting hash, in dot_product's place: other inputs
+    path = repo / "dot_product" / "1" / "model.cpu.onnx"
+    shutil.copy(repo / "additive" / "1" / "model.onnx", path)
+    config = _config(repo, "dot_product")
+    config["variants"]["cpu"]["sha256"] = sha256_of(path)
+    _write_config(repo, "dot_product", config)
+
+
+def _variant_missing(repo):
+    (repo / "dot_product" / "1" / "model.cpu.onnx").unlink()
+
+
+def _variant_malformed(repo):
+    config = _config(repo, "dot_product")
+    del config["variants"]["cpu"]["sha256"]
+    _write_config(repo, "dot_product", config)
+
+
+def _unused_model_onnx_wrong_sha(repo):
+    # On the CPU model.onnx is not served, but a version is served whole or not at all.
+    path = repo / "dot_product" / "1" / "model.onnx"
+    path.write_bytes(path.read_bytes() + b"\x00")
+
+
+BREAKAGES = [
+    (_variant_wrong_sha, "model dot_product: sha256 of dot_product/1/model.cpu.onnx is [0-9a-f]{64}, config.json says"),
+    (_variant_corrupt, "model dot_product: ONNX Runtime cannot load dot_product/1/model.cpu.onnx"),
+    (_variant_of_another_signature, "model dot_product: the graph's inputs/outputs"),
+    (_variant_missing, "model dot_product: dot_product/1/model.cpu.onnx is missing"),
+    (_variant_malformed, r"model dot_product: unreadable config.json: variants\[\"cpu\"\] must be"),
+    (_unused_model_onnx_wrong_sha, "model dot_product: sha256 of dot_product/1/model.onnx is"),
+]
+
+
+@pytest.mark.parametrize("breakage, reason", BREAKAGES, ids=[b[0].__name__ for b in BREAKAGES])
+def test_a_broken_cpu_graph_stops_the_load_with_the_reason(repo, breakage, reason):
+    breakage(repo)
+    with pytest.raises(StartupError, match=reason) as raised:
+        Registry.load(repo, "cpu", 1)
+    assert str(repo) not in str(raised.value)
+    skipped = Registry.load(repo, "cpu", 1, skip_broken=True)
+    assert "dot_product" in skipped.broken and skipped.get("multi_head").model_file == "1/model.cpu.onnx"
+
+
+def test_a_repository_without_variants_serves_model_onnx(repo):
+    for name in FUSED:
+        config = _config(repo, name)
+        del config["variants"]  # as written before there were variants
+        _write_config(repo, name, config)
+    registry = Registry.load(repo, "cpu", 1)
+    for name in FUSED:
+        model = registry.get(name)
+        assert model.describe()["model_file"] == "1/model.onnx" and model.config.variants == {}
+        assert model.describe()["sha256"] == _config(repo, name)["sha256"]
+    feed = {"queries": np.ones((1, 2, 3), np.float32), "keys": np.ones((1, 4, 3), np.float32),
+            "values": np.arange(8, dtype=np.float32).reshape(1, 4, 2), "valid_lens": np.array([[2, 0]])}
+    out = registry.get("dot_product").run(feed)
+    np.testing.assert_allclose(out["outputs"], [[[1, 2], [0, 0]]], rtol=1e-6)
+
+
+def test_auto_serves_the_graph_of_the_provider_that_runs(repo):
+    """ATTEND_DEVICE=auto: with a GPU, CUDA runs model.onnx; without one (ONNX Runtime falls back to the CPU),
+    the CPU runs its own graph."""
+    registry = Registry.load(repo, "auto", 1)
+    for name in FUSED:
+        model = registry.get(name)
+        expected = "1/model.cpu.onnx" if model.provider == CPU else "1/model.onnx"
+        assert model.model_file == expected and model.session.get_providers()[0] == model.provider
+
+
+def test_a_new_version_loads_with_its_cpu_graph_and_a_broken_one_is_refused(repo):
+    Q = np.random.default_rng(1).normal(size=(2, 3, 100)).round(3).tolist()
+    body = {"model": "multi_head", "queries": Q, "keys": Q, "values": Q, "valid_lens": [[0, 2, 3], [3, 1, 0]]}
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
+        response = httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60)
+        assert response.status_code == 200, response.text
+        described = httpx.get(f"{url}/models/multi_head", timeout=10).json()
+        assert (described["version"], described["model_file"]) == (2, "2/model.cpu.onnx")
+        out, weights = _post(url, body)
+        torch.manual_seed(7)
+        module = build_module("multi_head", default_hyperparameters("multi_head"))
+        with torch.no_grad():
+            X = torch.tensor(Q, dtype=torch.float32)
+            want_out, want_w = module(X, X, X, torch.tensor(body["valid_lens"]))
+        np.testing.assert_allclose(out, want_out.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(weights, want_w.numpy(), rtol=1e-5, atol=1e-5)
+
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "8"]) == 0
+        (repo / "multi_head" / "3" / "model.cpu.onnx").write_bytes(b"\x08\x07 not a model")
+        response = httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60)
+        assert response.status_code == 400
+        assert response.json()["error"].startswith("model multi_head: sha256 of multi_head/3/model.cpu.onnx is ")
+        described = httpx.get(f"{url}/models/multi_head", timeout=10).json()
+        assert (described["version"], described["model_file"]) == (2, "2/model.cpu.onnx")  # 2 keeps serving
+        np.testing.assert_allclose(_post(url, body)[0], out, rtol=0, atol=0)
