@@ -43,9 +43,8 @@ def _json(body: Any, status: int = 200) -> Response:
 
 @router.get("", summary="Server metadata", responses=protocol_errors(401))
 async def server_metadata(request: Request) -> Response:
-    state = request.app.state
     # The repository routes are on where there are admin keys or model control (require_admin).
-    on = bool(state.admin_keys or state.settings.model_control)
+    on = request.app.state.dataplane.model_control
     return _json({"name": "attend", "version": request.app.version, "extensions": extensions(on)})
 
 
