@@ -146,7 +146,8 @@ class Settings(BaseSettings):
 # compose's published port and base image, the container and deploy checks). Any other ATTEND_* variable
 # is a mistake, and the service refuses to start with it (a typo would otherwise leave a setting unset:
 # ATTEND_API_KEY=... serving with no key at all).
-TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE", "ATTEND_SKIP_BROWSER",
+TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_PUBLISH_GRPC", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE",
+                            "ATTEND_SKIP_BROWSER",
                             "ATTEND_CHROMIUM", "ATTEND_SCREENSHOTS", "ATTEND_TOOLS", "ATTEND_DEPLOY_TOOLS",
                             "ATTEND_DOCKER_STATE"})
 
