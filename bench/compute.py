@@ -1,45 +1,62 @@
-"""Compute on long sequences (issue 25, "Long sequences"): the served ONNX graphs of dot_product and
-multi_head, run by ONNX Runtime as the service runs them, against the book's modules in eager PyTorch
-and against a single ONNX `Attention` node (opset 23, `qk_matmul_output_mode` = 3: the post-softmax
-weights as its second output) fed the same inputs, its boolean mask built in the graph from the same
-2-D int64 valid lengths the service feeds.
+"""Compute on long sequences (issue 25, "Long sequences"): for dot_product and multi_head at n = 16 to 2048,
+the graph the service serves on the CPU (model.cpu.onnx: one ONNX `Attention` node, export.fused), run by
+ONNX Runtime as the service runs it, against the book's module in eager PyTorch, against the decomposed
+graph traced from it (model.onnx: what every other execution provider runs), and against the floor
+measured on this machine.
 
-One core (os.sched_setaffinity), one thread (torch.set_num_threads(1), ORT intra_op_num_threads=1);
-random inputs, random valid lengths from 1 to n (no fully masked rows in the timings: they are checked
-apart, on a small case); the three runs alternate call by call, and a figure is the median of the
-repeats. Each row also checks the outputs and weights against PyTorch (max abs diff) and that the
-Attention node gives the masked keys a weight of exactly 0.
+The floor is what no graph computing the weights can go below here: the GEMMs of the same shapes (Q K^T
+and W V per head; for multi_head the four projections too), each timed alone as one ONNX Runtime MatMul
+and as NumPy's matmul, the faster taken; plus one softmax over the weights' elements (ONNX Runtime's
+Softmax of the same shape: one read, one write, the exponentials), the least a graph that returns the
+weights must spend on them; plus one ONNX Runtime run's own cost, which each part timed through ONNX
+Runtime is counted without (an Identity on one float). Each is the median of its own repeats.
 
-    python bench/compute.py [--repeats 41] [--out docs/benchmarks.md]
+One core (os.sched_setaffinity), one thread (torch.set_num_threads(1), ORT intra_op_num_threads=1, NumPy's
+BLAS told so before it loads); random inputs, random valid lengths from 1 to n (rows of valid length 0 are
+checked apart, on a small case); the three runs alternate call by call, and a figure is the median of the
+repeats: as many as fit in about 2 s a point (0.5 s a part of the floor), at least 5, at most --repeats.
+By default the models are exported afresh (seed 0, as `python -m export`) into a temporary repository, so
+the graphs are this tree's; --repository times an existing one. About two minutes on a quiet 2-core
+machine; timings need the machine to themselves.
+
+    python bench/compute.py [--repeats 2001] [--kinds dot_product multi_head] [--sizes 8x16 ... 1x2048]
+                            [--repository DIR] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-import torch
-from onnx import TensorProto, helper, numpy_helper
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")  # NumPy's BLAS reads these when it loads: one thread, as the rest
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from export.build import build_module  # noqa: E402
+from export.repository import default_hyperparameters  # noqa: E402
 from service.core.runtime import Registry  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
 
 SECTION = "compute"
 # (batch, n): the batch shrinks as n grows.
-SIZES = [(8, 128), (4, 256), (2, 512), (1, 1024), (1, 2048)]
+SIZES = [(8, 16), (8, 64), (8, 128), (4, 256), (2, 512), (1, 1024), (1, 2048)]
 D = 64  # dot_product's features (queries, keys and values)
+POINT_SECONDS = 2.0  # about this long the three runs of a point: fewer repeats where a round is slow
+PART_SECONDS = 0.5  # and each part of its floor
 
 
 def session_options() -> ort.SessionOptions:
@@ -50,63 +67,6 @@ def session_options() -> ort.SessionOptions:
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return options
-
-
-def attention_graph(kind: str, module: torch.nn.Module | None, hp: dict) -> onnx.ModelProto:
-    """queries, keys, values, valid_lens (batch, n_q) int64 -> outputs, attention_weights, as the
-    served graph, through one `Attention` node: the mask `arange(n_k) < valid_lens` is built in the
-    graph; for multi_head the projections W_q, W_k, W_v before it and W_o after it are MatMuls with
-    the module's weights, the node splitting and joining the heads itself (3-D Q, K, V)."""
-    heads = int(hp.get("num_heads", 1))
-    f = "features"
-    nodes = [
-        helper.make_node("Unsqueeze", ["valid_lens", "axes_1_3"], ["lens4"]),  # (batch, 1, n_q, 1)
-        helper.make_node("Shape", ["keys"], ["n_k1"], start=1, end=2),
-        helper.make_node("Squeeze", ["n_k1"], ["n_k"]),
-        helper.make_node("Range", ["zero", "n_k", "one"], ["positions"]),  # (n_k,)
-        helper.make_node("Less", ["positions", "lens4"], ["mask"]),  # (batch, 1, n_q, n_k), True = attend
-    ]
-    inits = [numpy_helper.from_array(np.array([1, 3], np.int64), "axes_1_3"),
-             numpy_helper.from_array(np.array(0, np.int64), "zero"),
-             numpy_helper.from_array(np.array(1, np.int64), "one")]
-    if kind == "multi_head":
-        for name in ("W_q", "W_k", "W_v", "W_o"):
-            weight = getattr(module, name).weight.detach().numpy().T.copy()  # x @ W.T
-            inits.append(numpy_helper.from_array(weight, name))
-        nodes += [helper.make_node("MatMul", ["queries", "W_q"], ["q"]),
-                  helper.make_node("MatMul", ["keys", "W_k"], ["k"]),
-                  helper.make_node("MatMul", ["values", "W_v"], ["v"])]
-        q, k, v, y = "q", "k", "v", "y"
-        f = hp["num_hiddens"]
-    else:
-        q, k, v, y = "queries", "keys", "values", "outputs"
-    # Outputs: Y, present_key, present_value (unused), qk_matmul_output (mode 3: softmax(...)).
-    nodes.append(helper.make_node("Attention", [q, k, v, "mask"], [y, "", "", "weights4"],
-                                  q_num_heads=heads, kv_num_heads=heads, qk_matmul_output_mode=3))
-    if kind == "multi_head":
-        nodes.append(helper.make_node("MatMul", ["y", "W_o"], ["outputs"]))
-        nodes.append(helper.make_node("Identity", ["weights4"], ["attention_weights"]))  # (batch, heads, n_q, n_k)
-        weights_shape = ["batch", heads, "n_q", "n_k"]
-    else:
-        nodes.append(helper.make_node("Squeeze", ["weights4", "axes_1"], ["attention_weights"]))
-        inits.append(numpy_helper.from_array(np.array([1], np.int64), "axes_1"))
-        weights_shape = ["batch", "n_q", "n_k"]
-    fq = fk = fv = f
-    fo = f if kind == "multi_head" else "value_size"
-    graph = helper.make_graph(
-        nodes, f"{kind}_attention_node",
-        [helper.make_tensor_value_info("queries", TensorProto.FLOAT, ["batch", "n_q", fq]),
-         helper.make_tensor_value_info("keys", TensorProto.FLOAT, ["batch", "n_k", fk]),
-         helper.make_tensor_value_info("values", TensorProto.FLOAT, ["batch", "n_k", fv if kind == "multi_head"
-                                                                     else "value_size"]),
-         helper.make_tensor_value_info("valid_lens", TensorProto.INT64, ["batch", "n_q"])],
-        [helper.make_tensor_value_info("outputs", TensorProto.FLOAT, ["batch", "n_q", fo]),
-         helper.make_tensor_value_info("attention_weights", TensorProto.FLOAT, weights_shape)],
-        inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
-    model.ir_version = 10
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 def inputs(kind: str, batch: int, n: int, hp: dict, rng: np.random.Generator,
@@ -131,11 +91,14 @@ def ort_call(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> Call
     return lambda: session.run(["outputs", "attention_weights"], feed)
 
 
-def timed(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms per call of each, the calls alternating (one warm-up each first)."""
+def timed(calls: dict[str, Callable[[], object]], repeats: int, seconds: float = POINT_SECONDS) -> dict[str, float]:
+    """Median ms per call of each, the calls alternating: one warm-up each first, which also sets how many
+    rounds fit in `seconds` (at least 5, at most `repeats`)."""
     times: dict[str, list[float]] = {label: [] for label in calls}
+    start = time.perf_counter()
     for call in calls.values():
         call()
+    repeats = max(5, min(repeats, int(seconds / max(time.perf_counter() - start, 1e-6))))
     for _ in range(repeats):
         for label, call in calls.items():
             start = time.perf_counter()
@@ -144,24 +107,63 @@ def timed(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, flo
     return {label: statistics.median(values) for label, values in times.items()}
 
 
+def _one_op(op: str, shapes: list[tuple[int, ...]], **attrs: int) -> Callable[[], object]:
+    """One ONNX Runtime node of `op` on random inputs of `shapes`, as a call."""
+    names = [f"x{i}" for i in range(len(shapes))]
+    graph = helper.make_graph(
+        [helper.make_node(op, names, ["y"], **attrs)], op,
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)) for name, shape in zip(names, shapes,
+                                                                                                   strict=True)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feed = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in zip(names, shapes, strict=True)}
+    return lambda: session.run(None, feed)
+
+
+def run_overhead(repeats: int) -> float:
+    """ms of an ONNX Runtime run that does nothing (an Identity on one float): each part of the floor timed
+    through ONNX Runtime is counted without it, and the floor counts it once, as a served call pays it once."""
+    return timed({"empty": _one_op("Identity", [(1,)])}, repeats, PART_SECONDS)["empty"]
+
+
+def _gemm(a: tuple[int, ...], b: tuple[int, ...], repeats: int, overhead: float) -> float:
+    """ms of the faster of ONNX Runtime's MatMul (less its run's overhead) and NumPy's matmul of a @ b."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal(a, dtype=np.float32), rng.standard_normal(b, dtype=np.float32)
+    ms = timed({"ort": _one_op("MatMul", [a, b]), "numpy": lambda: np.matmul(x, y)}, repeats, PART_SECONDS)
+    return min(max(ms["ort"] - overhead, 0.0), ms["numpy"])
+
+
+def floor(kind: str, batch: int, n: int, hp: dict, repeats: int, overhead: float) -> dict[str, float]:
+    """The floor's parts, ms: the GEMMs, the softmax over the weights, one run's overhead."""
+    heads = int(hp.get("num_heads", 1))
+    head = D if kind == "dot_product" else hp["num_hiddens"] // heads
+    softmax = timed({"softmax": _one_op("Softmax", [(batch, heads, n, n)], axis=-1)}, repeats,
+                    PART_SECONDS)["softmax"]
+    parts = {
+        "Q K^T": _gemm((batch, heads, n, head), (batch, heads, head, n), repeats, overhead),
+        "W V": _gemm((batch, heads, n, n), (batch, heads, n, head), repeats, overhead),
+        "softmax": max(softmax - overhead, 0.0),
+    }
+    if kind == "multi_head":  # W_q, W_k, W_v and W_o: four GEMMs of the same shape (n_q = n_k)
+        hidden = hp["num_hiddens"]
+        parts["projections"] = 4 * _gemm((batch, n, hidden), (hidden, hidden), repeats, overhead)
+    parts["run"] = overhead
+    return parts
+
+
 def diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
 
 
-def masked_nonzero(weights: np.ndarray, lens: np.ndarray) -> float:
-    """The largest |weight| at a masked key (position >= valid_len): 0.0 when exactly zero."""
-    n_k = weights.shape[-1]
-    masked = np.arange(n_k) >= lens[:, None, :, None] if weights.ndim == 4 else np.arange(n_k) >= lens[..., None]
-    return float(np.abs(np.where(masked, weights, 0)).max())
-
-
-def fully_masked(kind: str, hp: dict, module: torch.nn.Module, served: ort.InferenceSession,
-                 node: ort.InferenceSession) -> str:
+def fully_masked(kind: str, hp: dict, module: torch.nn.Module, sessions: dict[str, ort.InferenceSession]) -> str:
     """What each gives a query of valid length 0 (the timings have none): batch 2 x n 8, one row at 0."""
     lens = np.array([[3, 0, 8, 1, 5, 0, 2, 7], [0] * 8], dtype=np.int64)
     feed = inputs(kind, 2, 8, hp, np.random.default_rng(1), lens)
-    runs = {"PyTorch": torch_call(module, feed)(), "served": ort_call(served, feed)(),
-            "Attention": ort_call(node, feed)()}
+    runs = {"PyTorch": torch_call(module, feed)(), **{label: ort_call(s, feed)() for label, s in sessions.items()}}
     zero = lens == 0
     parts = []
     for label, (out, weights) in runs.items():
@@ -177,62 +179,94 @@ def fully_masked(kind: str, hp: dict, module: torch.nn.Module, served: ort.Infer
     return f"{kind}, rows of valid length 0: " + "; ".join(parts)
 
 
+def _repository(kinds: list[str], folder: Path) -> Path:
+    """The kinds exported as `python -m export` does (seed 0), into `folder`."""
+    from export.publish import export_model
+
+    for kind in kinds:
+        export_model(folder, kind, kind, default_hyperparameters(kind))
+    return folder
+
+
+def _size(text: str) -> tuple[int, int]:
+    batch, _, n = text.partition("x")
+    try:
+        return int(batch), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BATCHxN, e.g. 8x128") from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--repeats", type=int, default=41, help="timed calls of each run per point (median)")
-    parser.add_argument("--kinds", nargs="+", default=["dot_product", "multi_head"])
+    parser.add_argument("--repository", type=Path, help="an existing model repository (default: export afresh)")
+    parser.add_argument("--repeats", type=int, default=2001,
+                        help="most timed calls of each run per point (median); fewer where they would take "
+                        f"more than {POINT_SECONDS:.0f} s")
+    parser.add_argument("--kinds", nargs="+", default=["dot_product", "multi_head"],
+                        choices=["dot_product", "multi_head"])
+    parser.add_argument("--sizes", nargs="+", type=_size, default=SIZES, metavar="BATCHxN",
+                        help="points to time (default: " + " ".join(f"{b}x{n}" for b, n in SIZES) + ")")
     parser.add_argument("--out", type=Path, help=f"markdown file to write the table into (section {SECTION})")
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    # onnx's shape inference gives the Attention node's qk_matmul_output a last axis of 0 where n_k is
-    # symbolic, and ORT warns at every run that the real shape differs: quiet, the figures unaffected.
-    ort.set_default_logger_severity(3)
-    load = os.getloadavg()[0]
-    registry = Registry.load(args.repository, "cpu", 1)
-
-    rows, notes = [], []
     started = time.perf_counter()
-    for kind in args.kinds:
-        served_model = registry.get(kind)
-        hp = dict(served_model.config.hyperparameters)
-        torch.manual_seed(0)  # as export.publish does for the default repository (seed 0)
-        module = build_module(kind, hp)
-        served = served_model.session
-        node = ort.InferenceSession(attention_graph(kind, module, hp).SerializeToString(), session_options(),
-                                    providers=["CPUExecutionProvider"])
-        rng = np.random.default_rng(0)
-        for batch, n in SIZES:
-            feed = inputs(kind, batch, n, hp, rng)
-            calls = {"torch": torch_call(module, feed), "served": ort_call(served, feed),
-                     "node": ort_call(node, feed)}
-            ref_out, ref_w = calls["torch"]()
-            s_out, s_w = calls["served"]()
-            a_out, a_w = calls["node"]()
-            ms = timed(calls, args.repeats)
-            shape = f"{batch} x {n} x {n} x {D}" if kind == "dot_product" else \
-                f"{batch} x {n} x {n} x {hp['num_hiddens']}, {hp['num_heads']} heads"
-            rows.append(
-                f"| {kind} | {shape} | {ms['torch']:.2f} | {ms['served']:.2f} | {ms['served'] / ms['torch']:.2f} "
-                f"| {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
-                f"| {ms['node']:.2f} | {ms['node'] / ms['torch']:.2f} | {ms['node'] / ms['served']:.2f} "
-                f"| {diff(a_out, ref_out):.1e} / {diff(a_w, ref_w):.1e} "
-                f"| {masked_nonzero(a_w, feed['valid_lens']):.1g} |")
-            print(rows[-1], flush=True)
-        notes.append(fully_masked(kind, hp, module, served, node))
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="compute.") as tmp:
+        repository = args.repository or _repository(args.kinds, Path(tmp) / "repo")
+        registry = Registry.load(repository, "cpu", 1)
+        overhead = run_overhead(args.repeats)
+        rows, notes = [], []
+        for kind in args.kinds:
+            served = registry.get(kind)
+            hp = dict(served.config.hyperparameters)
+            folder = repository / kind
+            torch.manual_seed(0)  # as export.publish does for the default repository (seed 0)
+            module = build_module(kind, hp)
+            decomposed = ort.InferenceSession(str(folder / served.config.model_file), session_options(),
+                                              providers=["CPUExecutionProvider"])
+            if served.model_file == served.config.model_file:
+                notes.append(f"{kind}: the repository has no CPU graph; the service serves model.onnx "
+                             "(export again for model.cpu.onnx)")
+            rng = np.random.default_rng(0)
+            for batch, n in args.sizes:
+                feed = inputs(kind, batch, n, hp, rng)
+                calls = {"torch": torch_call(module, feed), "served": ort_call(served.session, feed),
+                         "decomposed": ort_call(decomposed, feed)}
+                ref_out, ref_w = calls["torch"]()
+                s_out, s_w = calls["served"]()
+                ms = timed(calls, args.repeats)
+                parts = floor(kind, batch, n, hp, args.repeats, overhead)
+                least = sum(parts.values())
+                shape = f"{batch} x {n} x {n} x {D}" if kind == "dot_product" else \
+                    f"{batch} x {n} x {n} x {hp['num_hiddens']}, {hp['num_heads']} heads"
+                rows.append(
+                    f"| {kind} | {shape} | {ms['served']:.4g} | {ms['torch']:.4g} | {ms['decomposed']:.4g} "
+                    f"| {least:.4g} | **{ms['served'] / ms['torch']:.2f}** | **{ms['served'] / least:.2f}** "
+                    f"| {ms['decomposed'] / ms['served']:.2f} | {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
+                    f"| {' + '.join(f'{v:.4g}' for v in parts.values())} |")
+                print(rows[-1], flush=True)
+            notes.append(fully_masked(kind, hp, module, {"served": served.session, "decomposed": decomposed}))
+            notes.append(f"{kind}: served {served.model_file} (opset {served.opset}), decomposed "
+                         f"{served.config.model_file} (opset {served.config.opset}); floor parts: "
+                         + " + ".join(parts))
 
     table = [
-        "| model | batch x n_q x n_k x features | PyTorch ms | served ms | served / PyTorch "
-        "| served max diff (outputs / weights) | Attention node ms | node / PyTorch | node / served "
-        "| node max diff (outputs / weights) | node's largest masked weight |",
+        "| model | batch x n_q x n_k x features | served ms | eager PyTorch ms | decomposed ms | floor ms "
+        "| served / eager | served / floor | decomposed / served | served max diff (outputs / weights) "
+        "| floor parts ms |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
-        f"Medians of {args.repeats} calls each, the three alternating; one core, one thread; ORT {ort.__version__}, "
-        f"torch {torch.__version__}; load average {load:.2f} at the start (2 would be both cores busy). Max diffs "
-        "are against the PyTorch module's outputs and weights; the node's masked weights are those of keys at "
-        "positions >= valid_len.",
+        f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point, at least 5 calls), "
+        f"the three runs alternating; one core, one thread; ONNX Runtime {ort.__version__}, torch "
+        f"{torch.__version__}, NumPy {np.__version__}; load average {load:.2f} at the start, "
+        f"{os.getloadavg()[0]:.2f} at the end (the number of cores would be all busy). Served: the graph the "
+        f"service runs on the CPU; decomposed: model.onnx, traced from the module (what other execution "
+        f"providers run); floor: the GEMMs of the same shapes (ONNX Runtime's MatMul or NumPy's, the faster) "
+        f"plus one softmax over the weights (ONNX Runtime's Softmax), each timed alone less ONNX Runtime's "
+        f"cost of a run ({overhead * 1e3:.0f} us), which the floor counts once. Max diffs are against the "
+        f"PyTorch module's outputs and weights.",
         "",
         *[f"- {note}" for note in notes],
     ]
