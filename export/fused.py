@@ -2,9 +2,9 @@
 MatMul, Mul, Where, Softmax, Where, MatMul, built from the same module's weights and served only on ONNX
 Runtime's CPU execution provider (config.json's `variants["cpu"]`).
 
-Why a second graph: on the CPU the node is one kernel (one pass over the scores for the mask, the scale
-and the softmax), where the traced graph makes several passes over (batch, heads, n_q, n_k) tensors;
-`python bench/compute.py` measures both. Why not the only graph: ONNX Runtime's CUDA kernel of
+Why a second graph: on the CPU the node is one kernel that keeps the scores in one buffer (the mask
+added, the softmax taken in place), where the traced graph makes a new (batch, heads, n_q, n_k) tensor at
+each of its steps; `python bench/compute.py` measures both. Why not the only graph: ONNX Runtime's CUDA kernel of
 `Attention` refuses `qk_matmul_output_mode` 3 (NOT_IMPLEMENTED in 1.31), and the weights output is
 part of every answer; model.onnx, the traced graph, stays what every other execution provider runs.
 
@@ -15,15 +15,16 @@ The graph takes what the traced one takes and answers the same, name for name an
   feeds (1-D and absent lengths are made 2-D before, `valid_lens_2d`), as models.masked_softmax does;
 - `qk_matmul_output_mode` = 3 makes the node's fourth output the post-softmax weights;
 - the scale is the node's default, 1/sqrt(head size), the book's 1/sqrt(d);
-- a query of valid length 0 (or less) has an all-False mask row: ONNX Runtime's CPU kernel fills
-  masked scores with -inf and its softmax turns such a row into zeros, so the weights and the output
-  are zero there, as models.masked_softmax makes them (not the book's uniform weights): the
-  validator's sweep (export.validate) checks it on every export.
-- onnx's shape inference gives the node's outputs a last axis of 0 where sizes are symbolic;
-  ONNX Runtime reports a graph output's shape from it, and the service checks the session's shapes
-  against config.json. Each output therefore leaves through a Reshape to a shape computed from the
-  inputs (free: ONNX Runtime's Reshape aliases its input), whose inferred axes are unknown and take
-  the names the graph's outputs declare.
+- a query of valid length 0 (or less) has an all-False mask row, which the operator makes a zero row
+  of the output and of the mode-3 weights (the errata in onnx 1.23's text of `Attention`; ONNX Runtime's
+  CPU kernel does so): zeros, as models.masked_softmax makes them (not the book's uniform weights).
+  The validator's sweep (export.validate) checks it on every export.
+- onnx's shape inference (1.23) gives the node's outputs a last axis of 0 where that size is symbolic
+  (the weights' n_k always, dot_product's value_size); ONNX Runtime reports a graph output's shape from
+  it, and the service checks the session's shapes against config.json. Such an output therefore leaves
+  through a Reshape to a shape computed from the inputs, whose inferred axes are unknown and take the
+  names the graph's outputs declare. It costs a copy: ONNX Runtime copies where a Reshape's output is
+  the graph's (docs/benchmarks.md). multi_head's Y is sized right (num_hiddens is a number) and needs none.
 """
 
 from __future__ import annotations
@@ -62,14 +63,15 @@ class _Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outputs, **attrs))
         return outputs[0]
 
-    def linear(self, x: str, layer: nn.Linear, name: str) -> str:
-        """x @ W.T (+ b), as nn.Linear."""
+    def linear(self, x: str, layer: nn.Linear, name: str, output: str | None = None) -> str:
+        """x @ W.T (+ b), as nn.Linear; the result named `output` (default: "<name>.out")."""
+        output = output or f"{name}.out"
         weight = layer.weight.detach().to("cpu").numpy().T.copy()
-        y = self.op("MatMul", [x, self.const(f"{name}.weight", weight)], f"{name}.out" if layer.bias is None
-                    else f"{name}.matmul")
+        y = self.op("MatMul", [x, self.const(f"{name}.weight", weight)],
+                    output if layer.bias is None else f"{name}.matmul")
         if layer.bias is not None:
             bias = layer.bias.detach().to("cpu").numpy().copy()
-            y = self.op("Add", [y, self.const(f"{name}.bias", bias)], f"{name}.out")
+            y = self.op("Add", [y, self.const(f"{name}.bias", bias)], output)
         return y
 
 
@@ -114,19 +116,16 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
          qk_matmul_output_mode=3)
 
     # Shapes for the outputs' Reshapes, from the inputs.
-    batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
     if kind == "dot_product":
+        batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
         value_size = g.op("Shape", [values], "value_size", start=2, end=3)
         out_shape = g.op("Concat", [batch_n_q, value_size], "out_shape", axis=0)
         weights_shape = g.op("Concat", [batch_n_q, n_k_1], "weights_shape", axis=0)
         g.op("Reshape", [y, out_shape], "outputs")
-    else:
+    else:  # Y's last axis is num_hiddens, a number: shape inference sizes it right
+        g.linear(y, module.W_o, "W_o", output="outputs")
         batch = g.op("Shape", [queries], "batch", start=0, end=1)
         n_q = g.op("Shape", [queries], "n_q", start=1, end=2)
-        hidden = g.const("hidden", np.array([hp["num_hiddens"]], np.int64))
-        y = g.op("Reshape", [y, g.op("Concat", [batch_n_q, hidden], "y_shape", axis=0)], "attended_3d")
-        out = g.linear(y, module.W_o, "W_o")
-        g.op("Reshape", [out, g.op("Concat", [batch_n_q, hidden], "out_shape", axis=0)], "outputs")
         weights_shape = g.op("Concat", [batch, g.const("heads", np.array([heads], np.int64)), n_q, n_k_1],
                              "weights_shape", axis=0)
     g.op("Reshape", [scores, weights_shape], "attention_weights")

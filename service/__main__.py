@@ -7,10 +7,13 @@ process with a one-line reason and exit code 1, before any port is open.
 SIGHUP: every model whose newest version in the repository is not the one served is loaded and
 swapped in (service.core.control); what is in flight finishes on the version it started on.
 
-SIGTERM (and SIGINT): readiness turns 503 at once; the listener closes half a second later (new
-connections are refused from then on); requests in flight and in the batch queue finish; then the
-process exits, within ATTEND_GRACE_PERIOD_S. ATTEND_WORKERS > 1: the same in every worker
-(service.http.server.run_workers).
+gRPC (Triton's GRPCInferenceService, service.grpc.server) is served beside HTTP on ATTEND_GRPC_PORT
+(8001; 0: off), by the same process and core; with ATTEND_WORKERS > 1 by every worker, on one port.
+
+SIGTERM (and SIGINT): readiness turns 503 at once; gRPC takes no new calls; the HTTP listener closes
+half a second later (new connections are refused from then on); requests and calls in flight and in
+the batch queue finish; then the process exits, within ATTEND_GRACE_PERIOD_S. ATTEND_WORKERS > 1: the
+same in every worker (service.http.server.run_workers).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
+from service.asgi import with_grpc
 from service.config import Settings, UnknownSetting, get_settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
+from service.grpc.server import check_port
 from service.http.app import create_app
 from service.http.server import GracefulServer, raise_file_limit, run_workers, uvicorn_options
 
@@ -70,18 +75,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     configure_logging(settings.log_level)
     release_memory_eagerly()  # before the first large allocation
     try:
+        if settings.grpc_port:
+            check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
         registry = load_registry(settings)
     except StartupError as e:
         log.critical("cannot start: %s", e)
         return 1
     raise_file_limit()
     if settings.workers == 1:
-        app = create_app(settings, registry)
+        app = with_grpc(create_app(settings, registry), settings)
         GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
     else:
         # Each worker process loads its own sessions; the load above was the check.
         del registry
-        run_workers(settings)
+        run_workers(settings, "service.asgi:create_worker_app")
     return 0
 
 

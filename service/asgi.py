@@ -9,14 +9,16 @@ requests and connections at once, the in-flight budget counted before a body is 
 written in one system call, bodies written into one aligned buffer, SIGHUP reloads, ATTEND_WORKERS
 and the graceful stop; under another server each falls back to plain ASGI
 (service.http.extensions) and that server's own settings apply (ATTEND_HOST, ATTEND_PORT and
-ATTEND_WORKERS do not).
+ATTEND_WORKERS do not), and so is gRPC (ATTEND_GRPC_PORT): `create_app` serves HTTP alone,
+`create_worker_app` is `python -m service`'s worker with gRPC beside it.
 """
 
 from __future__ import annotations
 
-from service.config import get_settings
+from service.config import Settings, get_settings
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
+from service.grpc.server import GRPCServer
 from service.http.app import AttendApp
 from service.http.app import create_app as _create_app
 
@@ -28,3 +30,19 @@ def create_app() -> AttendApp:
     configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
     release_memory_eagerly()
     return _create_app(settings)
+
+
+def create_worker_app() -> AttendApp:
+    """A worker of `python -m service` with ATTEND_WORKERS > 1: the app, and gRPC beside it on
+    ATTEND_GRPC_PORT, the port shared with the other workers (SO_REUSEPORT)."""
+    app = create_app()
+    with_grpc(app, app.state.settings, shared_port=True)
+    return app
+
+
+def with_grpc(app: AttendApp, settings: Settings, shared_port: bool = False) -> AttendApp:
+    """The app with the gRPC front door (service.grpc.server) among its core's transports, where
+    ATTEND_GRPC_PORT is not 0: the app's lifespan starts it with the core and drains it with HTTP."""
+    if settings.grpc_port:
+        app.state.dataplane.transports.append(GRPCServer(settings, app.version, shared_port))
+    return app

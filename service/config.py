@@ -21,6 +21,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # The Open Inference Protocol over gRPC (service/grpc), beside HTTP in the same process, on ATTEND_HOST;
+    # 8001 as Triton's. 0 turns it off.
+    grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC's port (Triton's GRPCInferenceService); 0: off")
     model_repository: Path = Path("model_repository")
     device: Literal["auto", "cuda", "cpu"] = "auto"
     workers: int = Field(1, ge=1, description="uvicorn worker processes")

@@ -1,6 +1,11 @@
+import os
 import shutil
 
 import pytest
+
+# Every service a test starts serves gRPC only where the test gives it a port (tests/service/test_grpc.py
+# gives a free one): the default, 8001, would be wanted by every run on the machine at once.
+os.environ.setdefault("ATTEND_GRPC_PORT", "0")
 
 
 @pytest.fixture(scope="session")

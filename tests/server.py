@@ -60,8 +60,11 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
     not a pipe nobody reads, which a long run would fill until the service blocks on it.
     """
     port = free_port()
+    # gRPC off unless asked for (ATTEND_GRPC_PORT=<a free port>): two services on one machine would both
+    # want its default port, 8001.
     environ = os.environ | {"ATTEND_PORT": str(port), "ATTEND_MODEL_REPOSITORY": str(repository),
-                            "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"} | env
+                            "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning",
+                            "ATTEND_GRPC_PORT": os.environ.get("ATTEND_GRPC_PORT", "0")} | env
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
     argv = [a.replace("{port}", str(port)) for a in command] if command else [sys.executable, "-m", "service"]
     proc = subprocess.Popen([*prefix, *argv], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL, stderr=log,

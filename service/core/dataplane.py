@@ -10,12 +10,15 @@
                           shorter X-Request-Timeout-Ms); `within(until)` bounds the body's read and decode
     decode_async()        a codec's decode, on the event loop for small bodies, on a decode thread otherwise
     infer()               the batching queue, the session run, the codec's encoder
-    answered(), failed()  a request's answer or error counted: metrics by model and status, and the
-                          statistics of its model version (Triton's extension: `statistics()` reads them)
+    answered(), failed()  a request's answer or error counted: metrics by model, status and protocol,
+                          and the statistics of its model version (Triton's extension: `statistics()`)
+    check_admin()         model control's access (ATTEND_ADMIN_KEYS, ATTEND_MODEL_CONTROL)
     set_load_hint()       what the server says of its load: requests in progress, busy clients
+    transports            further front doors beside the server that runs the app (gRPC's), started
+                          by open(), told to stop taking requests by stop_accepting(), drained by close()
 
-A transport (service.http.endpoint, and any other) turns its bytes into calls of these and nothing
-more, so that a second transport cannot forget a check. Knows no web framework.
+A transport (service.http.endpoint, service.grpc.server) turns its bytes into calls of these and
+nothing more, so that a second transport cannot forget a check. Knows no web framework.
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ from typing import Any, Protocol, TypeVar
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
 from service.core.control import ModelControl
 from service.core.cost import Budget, Cost
-from service.core.errors import ClientGone, DeadlineExceeded, InvalidHeader, NotReady, ServiceError, Unauthorized
+from service.core.errors import (
+    ClientGone,
+    ControlOff,
+    DeadlineExceeded,
+    InvalidHeader,
+    NotReady,
+    ServiceError,
+    Unauthorized,
+)
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
@@ -61,11 +72,28 @@ class CoreSettings(Protocol):
     grace_period_s: float
     poll_s: float
 
+    model_control: bool
+
     def request_limits(self) -> RequestLimits: ...
     def batch_limits(self) -> BatchLimits: ...
     def resolved_intra_op_threads(self) -> int: ...
     def resolved_inference_threads(self) -> int: ...
     def api_key_list(self) -> tuple[bytes, ...]: ...
+    def admin_key_list(self) -> tuple[bytes, ...]: ...
+
+
+class Transport(Protocol):
+    """A front door that the app's lifespan runs beside the server that runs the app (gRPC's, where
+    the entry point adds it to `Dataplane.transports`): it shares the core, its models and batching."""
+
+    async def start(self, dataplane: Dataplane) -> None:
+        """Take requests (the models are loaded and the batching runs); raise StartupError if it cannot."""
+
+    def stop_accepting(self) -> None:
+        """SIGTERM: take no new requests; those in flight go on (`stop` waits for them)."""
+
+    async def stop(self) -> None:
+        """Stop once the requests in flight are answered, within ATTEND_GRACE_PERIOD_S."""
 
 
 def load_registry(settings: CoreSettings) -> Registry:
@@ -108,6 +136,18 @@ class _Within:
             raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
 
 
+class _Total:
+    """Several load hints as one: the sum of their sizes (the server's and each transport's)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Sized]):
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(map(len, self.parts))
+
+
 class _InFlight:
     """The load hint of a server that gives none (plain uvicorn, a Ray replica, a test client): the
     requests in flight in this dataplane are those in progress, and their clients the busy ones. With
@@ -131,6 +171,9 @@ class Dataplane:
         self.metrics = metrics or Metrics()
         self.limits = settings.request_limits()
         self.api_keys = settings.api_key_list()
+        self.admin_keys = settings.admin_key_list()
+        # The model repository extension (load, unload, the index) is on: admin keys, or opened for all.
+        self.model_control = bool(self.admin_keys or settings.model_control)
         self.request_timeout_s = settings.request_timeout_s
         self.inline_decode_bytes = settings.inline_decode_bytes
         self.budget = Budget(settings.max_inflight_bytes)  # what the requests in flight may cost together
@@ -145,6 +188,9 @@ class Dataplane:
         # What the server says of its load (set_load_hint): the requests in progress in the server: a
         # request that is the only one has nobody to wait for to share a batch.
         self.requests_in_progress: Sized = _InFlight(self)
+        self.transports: list[Transport] = []  # added by the entry point before open()
+        self._server_hint: tuple[Sized, Sized] | None = None
+        self._transport_hints: list[tuple[Sized, Sized]] = []
         self._decoder: ThreadPoolExecutor | None = None
         self.metrics.in_flight_from(lambda: self.in_flight)
         budget = self.budget
@@ -178,13 +224,28 @@ class Dataplane:
             self.scheduler.spawn(_sample_metrics(self.metrics))
         in_flight = _InFlight(self)  # until the server says more (set_load_hint)
         self.set_load_hint(in_flight, in_flight)
-        self.serving = self.ready = True
+        self.serving = True
+        try:
+            for transport in self.transports:
+                await transport.start(self)
+        except BaseException:
+            await self.close()
+            raise
+        self.ready = True
         self.metrics.ready.set(1)
         log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
 
     async def close(self) -> None:
-        self.ready = self.serving = False
+        self.ready = False
         self.metrics.ready.set(0)
+        for transport in self.transports:  # what they took in is answered before the batching stops
+            transport.stop_accepting()
+        for transport in self.transports:
+            try:
+                await transport.stop()
+            except Exception:
+                log.exception("stopping a transport failed")
+        self.serving = False
         if self.scheduler is not None:
             await self.scheduler.stop()
         if self._decoder is not None:
@@ -192,9 +253,12 @@ class Dataplane:
         self.metrics.worker_exit()
 
     def stop_accepting(self) -> None:
-        """SIGTERM: readiness turns off at once; requests already sent are still served."""
+        """SIGTERM: readiness turns off at once; requests already sent are still served. The transports
+        take no new requests from now on (the server of the app stops accepting itself)."""
         self.ready = False
         self.metrics.ready.set(0)
+        for transport in self.transports:
+            transport.stop_accepting()
 
     def reload_changed(self) -> None:
         """SIGHUP: load every model whose newest version in the repository is not the one served."""
@@ -204,9 +268,27 @@ class Dataplane:
 
     def set_load_hint(self, requests_in_progress: Sized, busy_clients: Sized) -> None:
         """What the server knows of its load, for the batching: the requests in progress (one alone
-        runs at once), and the clients busy sending requests (how many a batch can wait for)."""
-        self.requests_in_progress = requests_in_progress
-        self.scheduler.busy_clients = busy_clients
+        runs at once), and the clients busy sending requests (how many a batch can wait for). The
+        transports' hints (`add_load_hint`) are added to it."""
+        self._server_hint = (requests_in_progress, busy_clients)
+        self._apply_load_hints()
+
+    def add_load_hint(self, requests_in_progress: Sized, busy_clients: Sized) -> None:
+        """A transport's share of the load (its requests in progress, its busy clients), counted with the
+        server's: a gRPC request and an HTTP one wait for each other to share a batch."""
+        self._transport_hints.append((requests_in_progress, busy_clients))
+        self._apply_load_hints()
+
+    def _apply_load_hints(self) -> None:
+        server = self._server_hint
+        hints = [server] if server is not None else []
+        if server is None or not isinstance(server[0], _InFlight):  # _InFlight counts every transport's already
+            hints += self._transport_hints
+        if len(hints) == 1:
+            self.requests_in_progress, busy = hints[0]
+        else:
+            self.requests_in_progress, busy = _Total([h[0] for h in hints]), _Total([h[1] for h in hints])
+        self.scheduler.busy_clients = busy
 
     def check_ready(self) -> None:
         """Ready: started, not stopping, and every model that should be served is (one that could not
@@ -233,15 +315,28 @@ class Dataplane:
         self.served_since_trim += 1
         self.metrics.request_started()
 
+    def check_admin(self, authorization: bytes | None) -> None:
+        """Model control (load, unload, the repository index): an admin key where ATTEND_ADMIN_KEYS is set;
+        else off (ControlOff, 404), unless ATTEND_MODEL_CONTROL=true opens it (then the API keys, if any,
+        apply as to every route)."""
+        if self.admin_keys:
+            check_api_key(authorization, self.admin_keys)
+        elif not self.model_control:
+            raise ControlOff("model control is off: set ATTEND_ADMIN_KEYS (or ATTEND_MODEL_CONTROL=true on a "
+                             "trusted network)")
+        elif self.api_keys:
+            check_api_key(authorization, self.api_keys)
+
     def release(self) -> None:
         self.in_flight -= 1
         self.metrics.request_ended()
 
-    def answered(self, model: str, status: int, seconds: float, snapshot: LoadedModel | None = None) -> None:
-        """A response sent (status and latency by model; `seconds` since the request arrived), and a
-        success in the statistics of `snapshot`, the model version that answered (where the transport
-        does not say: the version served now)."""
-        self.metrics.answered(model, status, seconds)
+    def answered(self, model: str, status: int, seconds: float, snapshot: LoadedModel | None = None,
+                 protocol: str = "http") -> None:
+        """A response sent (status and latency by model and protocol; `seconds` since the request arrived),
+        and a success in the statistics of `snapshot`, the model version that answered (where the
+        transport does not say: the version served now)."""
+        self.metrics.answered(model, status, seconds, protocol)
         if snapshot is None:
             snapshot = self.registry.get(model)
             if snapshot is None:
@@ -249,13 +344,13 @@ class Dataplane:
         snapshot.statistics.succeeded(seconds)
 
     def failed(self, model: str, error: ServiceError, seconds: float | None = None,
-               version: int | str | None = None) -> int:
+               version: int | str | None = None, protocol: str = "http") -> int:
         """An error to answer: counted; its status, or 0 where nothing is to be sent (the client went
         away: 499, as nginx counts it). With `seconds` (since the request arrived), a failure in the
         statistics of the model's version (the error's, where decoding the body found it; else `version`,
         the one the path named; else the newest) where it is loaded."""
         gone = isinstance(error, ClientGone)
-        self.metrics.failed(model, error.status, gone)
+        self.metrics.failed(model, error.status, gone, protocol)
         if seconds is not None:
             if error.version is not None:
                 version = error.version

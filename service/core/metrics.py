@@ -49,34 +49,45 @@ REFUSALS = (
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# The transports a request can come by: the `protocol` label of the request metrics.
+PROTOCOLS = ("http", "grpc")
+
+
 class ModelMetrics:
-    """The children of one model's label, and of its statuses as they appear."""
+    """The children of one model's label, and of its statuses and protocols as they appear."""
 
     def __init__(self, metrics: Metrics, model: str):
         self._metrics = metrics
         self._name = model
-        self._statuses: dict[int, Counter] = {}
-        self.latency = metrics.latency.labels(model)
+        self._statuses: dict[tuple[int, str], Counter] = {}
+        self._latencies: dict[str, Histogram] = {}
         self.inference = metrics.inference.labels(model)
         self.queue_time = metrics.queue_time.labels(model)
         self.batch_requests = metrics.batch_requests.labels(model)
         self.batch_rows = metrics.batch_rows.labels(model)
 
-    def status(self, code: int) -> Counter:
-        child = self._statuses.get(code)
+    def status(self, code: int, protocol: str = "http") -> Counter:
+        child = self._statuses.get((code, protocol))
         if child is None:
-            child = self._statuses[code] = self._metrics.requests.labels(self._name, str(code))
+            child = self._statuses[(code, protocol)] = self._metrics.requests.labels(self._name, str(code), protocol)
+        return child
+
+    def latency(self, protocol: str = "http") -> Histogram:
+        child = self._latencies.get(protocol)
+        if child is None:
+            child = self._latencies[protocol] = self._metrics.latency.labels(self._name, protocol)
         return child
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("attend_requests", "POST /attend requests by model and HTTP status",
-                                ["model", "status"], registry=self.registry)
+        self.requests = Counter("attend_requests", "Inference requests by model, HTTP status (gRPC's: the status "
+                                "its code was mapped from) and protocol (http, grpc)",
+                                ["model", "status", "protocol"], registry=self.registry)
         self.latency = Histogram("attend_request_duration_seconds",
-                                 "Time from the body read to the response encoded, by model", ["model"],
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+                                 "Time from the body read to the response encoded, by model and protocol",
+                                 ["model", "protocol"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.inference = Histogram("attend_inference_seconds", "Time inside ONNX Runtime's session run, by model",
                                    ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.in_flight = Gauge("attend_requests_in_flight", "Inference requests being served",
@@ -174,15 +185,15 @@ class Metrics:
         if MULTIPROCESS:
             self.in_flight.dec()
 
-    def answered(self, model: str, status: int, seconds: float) -> None:
+    def answered(self, model: str, status: int, seconds: float, protocol: str = "http") -> None:
         children = self.model(model)
-        children.status(status).inc()
-        children.latency.observe(seconds)
+        children.status(status, protocol).inc()
+        children.latency(protocol).observe(seconds)
         if MULTIPROCESS:
             self.worker_served.inc()  # type: ignore[union-attr]
 
-    def failed(self, model: str, status: int, client_gone: bool = False) -> None:
-        self.model(model).status(status).inc()
+    def failed(self, model: str, status: int, client_gone: bool = False, protocol: str = "http") -> None:
+        self.model(model).status(status, protocol).inc()
         if client_gone:  # not a server error: counted (499, as nginx does), nothing sent
             self.client_gone.labels(model).inc()
 

@@ -21,7 +21,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.config import Settings, get_settings
 from service.core.dataplane import Dataplane, check_api_key
 from service.core.errors import (
-    ControlOff,
     HTTPError,
     InvalidRequest,
     MethodNotAllowed,
@@ -115,7 +114,6 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.state.settings = settings
     dataplane = app.state.dataplane = Dataplane(settings, Metrics(), registry)
     app.state.api_keys = settings.api_key_list()
-    app.state.admin_keys = settings.admin_key_list()
     install_error_handlers(app)
     _offline_docs(app)
     page.install(app)  # GET /: the page of heatmaps, public like /docs (it asks for the key itself)
@@ -189,14 +187,5 @@ async def require_api_key(request: Request) -> None:
 
 
 async def require_admin(request: Request) -> None:
-    """Model control: an admin key where ATTEND_ADMIN_KEYS is set; else off (404), unless
-    ATTEND_MODEL_CONTROL=true opens it (then the API keys, if any, apply as to every route)."""
-    state = request.app.state
-    header = request.headers.get("authorization", "").encode("latin-1")
-    if state.admin_keys:
-        check_api_key(header, state.admin_keys)
-    elif not state.settings.model_control:
-        raise ControlOff("model control is off: set ATTEND_ADMIN_KEYS (or ATTEND_MODEL_CONTROL=true on a trusted "
-                         "network)")
-    elif state.api_keys:
-        check_api_key(header, state.api_keys)
+    """Model control: the core's check (service.core.dataplane.Dataplane.check_admin), as gRPC's."""
+    request.app.state.dataplane.check_admin(request.headers.get("authorization", "").encode("latin-1"))

@@ -188,14 +188,14 @@ class Supervisor(multiprocess.Multiprocess):
         self._forward(signal.SIGHUP)
 
 
-def run_workers(settings: Settings) -> None:
-    """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app the factory
-    makes (its own sessions), the metrics of all of them on every /metrics (prometheus_client's
+def run_workers(settings: Settings, factory: str = "service.asgi:create_app") -> None:
+    """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app `factory` makes
+    (its own sessions), the metrics of all of them on every /metrics (prometheus_client's
     multiprocess mode, in a folder of this run's own)."""
     metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
 
-    config = uvicorn.Config("service.asgi:create_app", factory=True, workers=settings.workers,
+    config = uvicorn.Config(factory, factory=True, workers=settings.workers,
                             **uvicorn_options(settings))
     # uvicorn's supervisor makes its workers with its module's Process: ours, while it runs.
     process, multiprocess.Process = multiprocess.Process, Worker  # type: ignore[misc]

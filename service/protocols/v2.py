@@ -160,28 +160,65 @@ class _Reader:
                              "binary_data_size accounts for")
 
 
-def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> tuple[str, np.ndarray]:
-    if not isinstance(entry, dict):
-        raise BadRequest(f"every item of inputs must be an object, got {json_type(entry)}")
-    name = entry.get("name")
+# What every transport of the protocol checks of an input tensor, in this order (HTTP's JSON and binary
+# tensors here, gRPC's typed contents and raw_input_contents in service.grpc.codec): its name, its shape,
+# its datatype, then its data.
+
+
+def input_named(name: Any, model: LoadedModel, seen: set[str]) -> str:
+    """`name` of an input of `model` not given before (it joins `seen`), or BadRequest naming the inputs."""
     if not isinstance(name, str):
         raise BadRequest(f"an input's name must be a string, got {json_type(name)}")
-    specs = {s.name: s for s in model.inputs()}
-    if name not in specs:
-        raise BadRequest(f"model {model.name} has no input {excerpt(name)}; its inputs: {', '.join(specs)}")
+    names = [s.name for s in model.inputs()]
+    if name not in names:
+        raise BadRequest(f"model {model.name} has no input {excerpt(name)}; its inputs: {', '.join(names)}")
     if name in seen:
         raise BadRequest(f"input {name} is given twice")
     seen.add(name)
-    shape = entry.get("shape")
+    return name
+
+
+def input_shape(shape: Any, name: str) -> list[int]:
+    """The input's shape: a list of at most MAX_DIMS non-negative sizes."""
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise BadRequest(f"input {name}: shape must be a list of at most {MAX_DIMS} sizes, got {json_type(shape)}")
-    shape = [_int(s, f"input {name}: every size of shape") for s in shape]
-    datatype = entry.get("datatype")
-    accepted = _ACCEPTED[specs[name].dtype]
+    return [_int(s, f"input {name}: every size of shape") for s in shape]
+
+
+def input_dtype(datatype: Any, name: str, model: LoadedModel) -> np.dtype:
+    """The NumPy dtype of the input's data as sent: one the model's input accepts (converted to its own)."""
+    spec = next(s for s in model.inputs() if s.name == name)
+    accepted = _ACCEPTED[spec.dtype]
     if datatype not in accepted:
         shown = excerpt(datatype) if isinstance(datatype, str) else json_type(datatype)
         raise BadRequest(f"input {name}: datatype {shown} is not accepted; send {' or '.join(accepted)}")
-    dtype = accepted[datatype]
+    return accepted[datatype]
+
+
+def binary_tensor(chunk: bytes | memoryview, name: str, shape: list[int], datatype: str, dtype: np.dtype,
+                  cost: Cost | None, what: str = "binary_data_size") -> np.ndarray:
+    """A tensor read in place from raw little-endian bytes (`what`: where they came from, for the error);
+    its aligned copy or cast held in `cost` before it is made."""
+    count = math.prod(shape)
+    if len(chunk) != count * dtype.itemsize:
+        raise BadRequest(f"input {name}: {what} is {len(chunk)} bytes, but shape {shape} of {datatype} takes "
+                         f"{count * dtype.itemsize}")
+    array = np.frombuffer(chunk, dtype=dtype).reshape(shape)
+    misaligned = bool(array.ctypes.data % dtype.itemsize)
+    if cost is not None:
+        cost.add(binary_decode(count, dtype.itemsize, dtype.kind == "f", misaligned), f"input {name}")
+    if misaligned:  # wherever the JSON header ended: ONNX Runtime wants it aligned
+        array = array.copy()
+    return array
+
+
+def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> tuple[str, np.ndarray]:
+    if not isinstance(entry, dict):
+        raise BadRequest(f"every item of inputs must be an object, got {json_type(entry)}")
+    name = input_named(entry.get("name"), model, seen)
+    shape = input_shape(entry.get("shape"), name)
+    datatype = entry.get("datatype")
+    dtype = input_dtype(datatype, name, model)
     count = math.prod(shape)
     parameters = entry.get("parameters") or {}
     if not isinstance(parameters, dict):
@@ -191,14 +228,7 @@ def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> 
         if size != count * dtype.itemsize:
             raise BadRequest(f"input {name}: binary_data_size is {size} bytes, but shape {shape} of {datatype} "
                              f"takes {count * dtype.itemsize}")
-        chunk = reader.take(size, name)
-        array = np.frombuffer(chunk, dtype=dtype).reshape(shape)
-        misaligned = bool(array.ctypes.data % dtype.itemsize)
-        if reader.cost is not None:
-            reader.cost.add(binary_decode(count, dtype.itemsize, dtype.kind == "f", misaligned), f"input {name}")
-        if misaligned:  # wherever the JSON header ended: ONNX Runtime wants it aligned
-            array = array.copy()
-        return name, array
+        return name, binary_tensor(reader.take(size, name), name, shape, datatype, dtype, reader.cost)
     if "data" not in entry:
         raise BadRequest(f"input {name} has neither data nor a binary_data_size parameter")
     return name, _json_data(entry["data"], name, shape, dtype, count)
@@ -231,7 +261,7 @@ def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: i
     return flat.reshape(shape)
 
 
-def _requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple[str, bool]]:
+def requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple[str, bool]]:
     """(output name, as binary) for each output to return, in the order asked."""
     names = [s.name for s in model.outputs]
     if outputs is None:
@@ -248,6 +278,23 @@ def _requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple
             raise BadRequest(f"output {name} is asked for twice")
         wanted.append((name, _flag(entry.get("parameters"), "binary_data", all_binary)))
     return wanted
+
+
+def tensors_request(model: LoadedModel, tensors: dict[str, np.ndarray], outputs: list[str], limits: RequestLimits
+                    ) -> Request:
+    """The request from the protocol's input tensors (valid_lens among them, or absent), with the
+    attention weights computed only where `outputs` asks for them: every input there, /attend's checks
+    (service.core.request.build_request), their errors naming the input."""
+    missing = [s.name for s in model.inputs() if s.name not in tensors and s.name != "valid_lens"]
+    if missing:
+        raise BadRequest(f"model {model.name} needs input(s) {', '.join(missing)}")
+    lens = tensors.pop("valid_lens", None)
+    try:
+        return build_request(model, tensors, lens, "attention_weights" in outputs, limits)
+    except ServiceError as e:  # /attend's checks, said the protocol's way: which input
+        if e.field in model.input_names and not e.message.startswith("input "):
+            e.message = f"input {e.field}: {e.message}"
+        raise
 
 
 def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None) -> Encoder:
@@ -345,21 +392,11 @@ class InferCodec:
             name, array = _tensor(entry, model, reader, seen)
             tensors[name] = array
         reader.done()
-        missing = [s.name for s in model.inputs() if s.name not in tensors and s.name != "valid_lens"]
-        if missing:
-            raise BadRequest(f"model {model.name} needs input(s) {', '.join(missing)}")
         outputs = head.get("outputs")
         if isinstance(outputs, simdjson.Array):
             outputs = outputs.as_list()
-        wanted = _requested(outputs, model, _flag(parameters, "binary_data_output"))
-        lens = tensors.pop("valid_lens", None)
-        try:
-            request = build_request(model, tensors, lens, any(n == "attention_weights" for n, _ in wanted),
-                                    limits)
-        except ServiceError as e:  # /attend's checks, said the protocol's way: which input
-            if e.field in model.input_names and not e.message.startswith("input "):
-                e.message = f"input {e.field}: {e.message}"
-            raise
+        wanted = requested(outputs, model, _flag(parameters, "binary_data_output"))
+        request = tensors_request(model, tensors, [n for n, _ in wanted], limits)
         if split < len(body):
             request.held = len(body)  # binary tensors read in place: the body lives as long as they do
         return request, _encoder(model, wanted, request_id)

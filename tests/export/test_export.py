@@ -389,5 +389,5 @@ def test_bad_arguments_are_refused(tmp_path, capsys, argv, message):
 def test_published_files_are_readable_by_other_users(repository):
     # The service may run as another user than the exporter (the container does).
     for path in [repository / "additive" / "config.json", repository / "additive" / "1",
-                 repository / "additive" / "1" / "model.onnx"]:
+                 repository / "additive" / "1" / "model.onnx", repository / "multi_head" / "1" / "model.cpu.onnx"]:
         assert path.stat().st_mode & 0o004, path

@@ -279,7 +279,7 @@ def test_a_client_gone_mid_body_is_counted_and_the_service_goes_on(service, expe
     while 'attend_client_gone_total{model="dot_product"}' not in (metrics := httpx.get(f"{url}/metrics").text):
         assert time.monotonic() < deadline, "the request whose client went away mid-body was never counted"
         time.sleep(0.05)
-    assert 'attend_requests_total{model="dot_product",status="499"}' in metrics
+    assert 'attend_requests_total{model="dot_product",protocol="http",status="499"}' in metrics
     status, headers, answer = _raw_infer(url, pieces=1, pause=0)
     assert status == 200
 

@@ -61,7 +61,7 @@ def test_not_ready_before_the_models_are_loaded(settings):
 def test_metrics_count_requests_by_model_and_status(client):
     def count(model, status):
         for line in client.get("/metrics").text.splitlines():
-            if line.startswith(f'attend_requests_total{{model="{model}",status="{status}"}}'):
+            if line.startswith(f'attend_requests_total{{model="{model}",protocol="http",status="{status}"}}'):
                 return float(line.split()[-1])
         return 0.0
 
@@ -71,7 +71,7 @@ def test_metrics_count_requests_by_model_and_status(client):
     assert count("additive", "200") == ok + 1
     assert count("additive", "422") == bad + 1
     text = client.get("/metrics").text
-    assert 'attend_request_duration_seconds_bucket{le="0.005",model="additive"}' in text
+    assert 'attend_request_duration_seconds_bucket{le="0.005",model="additive",protocol="http"}' in text
     assert 'attend_inference_seconds_count{model="additive"}' in text
     assert "attend_ready 1.0" in text
 
@@ -119,7 +119,8 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
 
 
 def test_the_service_does_not_import_torch():
-    code = "import sys, service.http.app, service.__main__; print('torch' in sys.modules)"
+    code = ("import sys, service.http.app, service.grpc.server, service.asgi, service.__main__; "
+            "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 

@@ -22,10 +22,18 @@ WEIGHTS = [[[0.5, 0.5, 0.0]], [[1 / 3, 1 / 3, 1 / 3]]]
 
 
 @pytest.fixture(scope="module")
-def url(repository):
-    """The service, once for the module, with an API key: the examples send ATTEND_API_KEY."""
-    with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_API_KEYS=KEY) as (url, _):
-        yield url
+def service(repository):
+    """The service, once for the module, with an API key (the examples send ATTEND_API_KEY) and gRPC:
+    (its URL, its gRPC address)."""
+    port = free_port()
+    with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_API_KEYS=KEY,
+                         ATTEND_GRPC_PORT=str(port)) as (url, _):
+        yield url, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def url(service):
+    return service[0]
 
 
 def run(args: list[str], url: str, key: str | None = KEY) -> subprocess.CompletedProcess:
@@ -50,7 +58,7 @@ def assert_book_answer(outputs, weights) -> None:
 
 
 def test_every_example_is_run_here():
-    tested = {"attend_httpx.py", "attend_requests.py", "v2_tritonclient.py", "v2_curl.sh"}
+    tested = {"attend_httpx.py", "attend_requests.py", "v2_tritonclient.py", "v2_curl.sh", "v2_grpc.py"}
     assert {p.name for p in EXAMPLES.iterdir() if p.is_file()} == tested
 
 
@@ -90,6 +98,19 @@ def test_tritonclient_example_prints_the_book_answer(url):
     assert lines["ready"] == "True"
     assert lines["model"].split() == ["dot_product", "version:", "1", "id:", "toy-1"]
     assert_book_answer(json.loads(lines["outputs"]), json.loads(lines["attention_weights"]))
+
+
+def test_grpc_example_prints_the_book_answer(service):
+    url, address = service
+    result = run(["v2_grpc.py", address], url)
+    assert result.returncode == 0, result.stderr
+    lines = printed(result.stdout)
+    assert lines["ready"] == "True"
+    assert lines["model"].split() == ["dot_product", "version:", "1", "id:", "toy-1"]
+    assert_book_answer(json.loads(lines["outputs"]), json.loads(lines["attention_weights"]))
+
+    refused = run(["v2_grpc.py", address], url, key=None)  # no key: UNAUTHENTICATED, tritonclient's exception
+    assert refused.returncode == 1 and "StatusCode.UNAUTHENTICATED" in refused.stderr
 
 
 def test_curl_example_prints_the_metadata_and_the_book_answer(url):

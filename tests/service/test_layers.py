@@ -5,6 +5,7 @@
     service/protocols/  codecs (bytes <-> tensors, their own error body); the core only
     service/config.py   the settings; the core's limit types only
     service/http/       the only place that knows uvicorn, Starlette and FastAPI
+    service/grpc/       the gRPC transport (grpc.aio), beside http/: neither imports the other
     service/*.py        entry points (python -m service, Ray Serve, the ASGI factory)
 
 Read from the source (every import statement, at any depth of a module), not from what happens to be
@@ -26,13 +27,14 @@ ALLOWED = {
     "protocols": {"core"},
     "config": {"core"},
     "http": {"core", "protocols", "config", "http"},
-    "entry": {"core", "protocols", "config", "http", "entry"},
+    "grpc": {"core", "protocols", "config", "grpc"},
+    "entry": {"core", "protocols", "config", "http", "grpc", "entry"},
 }
 
 
 def room(module: str) -> str:
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("core", "protocols", "http"):
+    if len(parts) > 1 and parts[1] in ("core", "protocols", "http", "grpc"):
         return parts[1]
     return "config" if parts[1:] == ["config"] else "entry"
 
@@ -76,9 +78,10 @@ def test_nothing_imports_upward(path):
     assert not wrong, f"{name_of(path)} ({mine}) may import only {sorted(ALLOWED[mine])} of the service: {wrong}"
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if room(name_of(p)) in ("core", "protocols", "config")],
+@pytest.mark.parametrize("path", [p for p in MODULES if room(name_of(p)) in ("core", "protocols", "config", "grpc")],
                          ids=name_of)
 def test_core_and_protocols_know_no_web_framework(path):
+    """Nor gRPC's transport: it runs on uvicorn's event loop, and knows nothing else of it."""
     wrong = [f"line {line}: {module}" for line, module in imports(path) if module.split(".")[0] in WEB]
     assert not wrong, f"{name_of(path)} imports a web framework: {wrong}"
 
@@ -104,6 +107,7 @@ def test_the_checks_see_a_violation(tmp_path):
     assert found == ["numpy", "service.http", "fastapi", "service", "service.serve"]
     assert room("service.http") == "http" and "http" not in ALLOWED["core"]
     assert room("service.serve") == "entry" and "entry" not in ALLOWED["protocols"]
+    assert room("service.grpc.server") == "grpc" and "grpc" not in ALLOWED["http"] and "http" not in ALLOWED["grpc"]
 
 
 # The uvicorn internals the transport touches (service/http/extensions.py lists them): each must exist in

@@ -163,7 +163,7 @@ def test_errors_and_routes_are_the_apps(serve_url, in_process):
         response = http.post("/attend", json=toy_request(), headers={"x-request-id": "trace-7"})
         assert response.headers.get_list("x-request-id") == ["trace-7"]
         metrics = http.get("/metrics").text  # one replica's registry: whichever Serve picked
-        assert 'attend_requests_total{model="additive",status="200"}' in metrics
+        assert 'attend_requests_total{model="additive",protocol="http",status="200"}' in metrics
         assert "attend_ready 1.0" in metrics
 
 

@@ -200,5 +200,5 @@ def test_a_client_gone_while_queued_is_dropped_unrun_over_real_http(repository):
         metrics = httpx.get(f"{url}/metrics").text
     counts = [line for line in metrics.splitlines() if line.startswith(("attend_requests_total", "attend_client_gone"))]
     assert 'attend_client_gone_total{model="dot_product"} 1.0' in metrics, counts
-    assert 'attend_requests_total{model="dot_product",status="499"} 1.0' in metrics
+    assert 'attend_requests_total{model="dot_product",protocol="http",status="499"} 1.0' in metrics
     assert 'attend_batch_requests_count{model="dot_product"} 3.0' in metrics  # the long runs only

@@ -114,6 +114,9 @@ def test_versions_are_counted_apart(server):
     everything = _stats(server, "/v2/models/stats")["model_stats"]
     assert [(s["name"], s["version"]) for s in everything] == [("additive", "1"), ("additive", "2"),
                                                                ("dot_product", "1")]
+    # No query parameters (as Triton's): a `name` in the query filters nothing and is no 404.
+    queried = _stats(server, "/v2/models/stats?name=nope&version=9")["model_stats"]
+    assert [(s["name"], s["version"]) for s in queried] == [(s["name"], s["version"]) for s in everything]
 
 
 @pytest.mark.parametrize(("path", "message"), [

@@ -52,7 +52,7 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
             assert r.status_code == 200
         # Every scrape, whichever worker answers it, counts all of them (not one worker's share).
         scrapes = [httpx.get(f"{url}/metrics").text for _ in range(10)]
-        totals = {counter(m, "attend_requests_total", model="additive", status="200") for m in scrapes}
+        totals = {counter(m, "attend_requests_total", model="additive", protocol="http", status="200") for m in scrapes}
         assert totals == {float(n)}, totals
         served = [counter(m, "attend_worker_served", pid=str(pid))
                   for m in scrapes[:1] for pid in worker_pids(url)]

@@ -43,9 +43,8 @@ def _json(body: Any, status: int = 200) -> Response:
 
 @router.get("", summary="Server metadata", responses=protocol_errors(401))
 async def server_metadata(request: Request) -> Response:
-    state = request.app.state
     # The repository routes are on where there are admin keys or model control (require_admin).
-    on = bool(state.admin_keys or state.settings.model_control)
+    on = request.app.state.dataplane.model_control
     return _json({"name": "attend", "version": request.app.version, "extensions": extensions(on)})
 
 
@@ -63,11 +62,16 @@ async def ready(request: Request) -> Response:
 # Before /models/{name}: "stats" is not a model's name here (as in Triton).
 @router.get("/models/stats", summary="Statistics of every loaded version of every model (Triton's extension)",
             responses=protocol_errors(401))
+async def all_statistics(request: Request) -> Response:
+    # Its own handler: with model_statistics', `name` and `version` would be query parameters here.
+    return _json(request.app.state.dataplane.statistics())
+
+
 @router.get("/models/{name}/stats", summary="Statistics of every loaded version of the model",
             responses=protocol_errors(401, 404, 422, 503))
 @router.get("/models/{name}/versions/{version}/stats", summary="Statistics of one version of the model",
             responses=protocol_errors(401, 404, 422, 503))
-async def model_statistics(request: Request, name: str | None = None, version: str | None = None) -> Response:
+async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
     return _json(request.app.state.dataplane.statistics(name, version))
 
 

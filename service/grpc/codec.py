@@ -1,0 +1,110 @@
+"""ModelInferRequest -> the core's `Request`, and its answer -> ModelInferResponse: the Open Inference
+Protocol's gRPC form, through the same checks as its HTTP form (service.protocols.v2: an input's name,
+shape and datatype, binary tensors, the requested outputs, /attend's checks of the arrays).
+
+    inputs[i].contents      typed: fp32_contents (FP32), fp64_contents (FP64), int64_contents (INT64),
+                            int_contents (INT32); FP16 only as raw bytes
+    raw_input_contents[i]   raw little-endian bytes of inputs[i], for every input or none (as Triton)
+    outputs                 the outputs asked for (all where none is named), always as
+                            raw_output_contents (FP32), in the order asked
+
+The metadata, configuration and statistics messages are the dicts that HTTP serves as JSON, parsed
+into their messages (`message_from`): one source for both protocols.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from service.core.batching import Encoder
+from service.core.cost import Cost, binary_decode
+from service.core.errors import ServiceError
+from service.core.request import Request, RequestLimits, find_model
+from service.core.runtime import LoadedModel
+from service.grpc.proto import grpc_service_pb2 as pb
+from service.protocols.v2 import (
+    BadRequest,
+    binary_tensor,
+    input_dtype,
+    input_named,
+    input_shape,
+    requested,
+    tensors_request,
+)
+
+# The typed contents field of each datatype a model's input accepts (FP16 has none: raw bytes only).
+_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents", "INT32": "int_contents"}
+
+
+def message_from(data: dict[str, Any], message: Any) -> Any:
+    """`message` filled from the JSON-shaped dict of HTTP's answer (field names as the proto's)."""
+    return json_format.ParseDict(data, message, ignore_unknown_fields=True)
+
+
+def decode(core: Any, message: pb.ModelInferRequest, cost: Cost) -> tuple[Request, Encoder]:
+    """The request of `message` (deserialized already; its size held in `cost`) and its answer's
+    encoder. Raises ServiceError subclasses, with `.model` set once the model is known."""
+    model = find_model(core.registry, message.model_name, message.model_version or None, "model_name",
+                       "model_version")
+    try:
+        return decode_for(model, message, core.limits, cost)
+    except ServiceError as e:
+        e.model = model.name
+        raise
+
+
+def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None
+               ) -> tuple[Request, Encoder]:
+    inputs, raw = message.inputs, message.raw_input_contents
+    if raw and len(raw) != len(inputs):
+        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs)} inputs: give every input's "
+                         "data there, in the order of inputs, or none")
+    seen: set[str] = set()
+    tensors: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(inputs):
+        name = input_named(tensor.name, model, seen)
+        shape = input_shape(list(tensor.shape), name)
+        datatype = tensor.datatype
+        dtype = input_dtype(datatype, name, model)
+        if raw:
+            if tensor.HasField("contents"):
+                raise BadRequest(f"input {name} has both contents and raw_input_contents[{i}]: send one")
+            tensors[name] = binary_tensor(raw[i], name, shape, datatype, dtype, cost, f"raw_input_contents[{i}]")
+        else:
+            tensors[name] = _typed(tensor, name, shape, datatype, dtype, cost)
+    names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
+    request = tensors_request(model, tensors, names, limits)
+    request.held = cost.base if cost is not None else 0  # the message lives as long as the call
+    return request, _encoder(names, message.id)
+
+
+def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dtype, cost: Cost | None
+           ) -> np.ndarray:
+    field = _CONTENTS.get(datatype)
+    if field is None:
+        raise BadRequest(f"input {name}: {datatype} has no typed contents: send it as raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise BadRequest(f"input {name}: contents.{field} holds {len(values)} values, shape {shape} takes {count}")
+    if cost is not None:  # a copy out of the message, and its cast
+        cost.add(binary_decode(count, dtype.itemsize, dtype.kind == "f", True), f"input {name}")
+    return np.fromiter(values, dtype=dtype.newbyteorder("="), count=count).reshape(shape)
+
+
+def _encoder(names: list[str], request_id: str) -> Encoder:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool
+               ) -> tuple[pb.ModelInferResponse, LoadedModel]:
+        response = pb.ModelInferResponse(model_name=model.name, model_version=model.version_text, id=request_id)
+        for name in names:
+            array = outputs[name]
+            response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+            response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+        # With the model that answered (the batch's snapshot): its statistics count the success.
+        return response, model
+
+    return encode

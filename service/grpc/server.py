@@ -1,0 +1,368 @@
+"""The Open Inference Protocol over gRPC: Triton's `inference.GRPCInferenceService`, a second front door
+to the same core (service.core.dataplane), in the process that serves HTTP, on ATTEND_GRPC_PORT.
+
+`GRPCServer` is a grpc.aio server on uvicorn's event loop: the entry point adds it to the Dataplane's
+transports, whose lifespan starts it once the models are loaded and drains it at SIGTERM with HTTP
+(service.core.dataplane.Transport). Its servicer turns each call into the core's calls, as
+service.http.endpoint does for HTTP: admission (readiness, the API key from the `authorization`
+metadata), the deadline (grpc-timeout, and `x-request-timeout-ms` metadata), the request's cost held
+against the in-flight budget, the decode (service.grpc.codec; on a decode thread for large messages),
+the batching (a gRPC request and an HTTP one share batches), the metrics (protocol "grpc") and Triton's
+statistics, errors as status codes (service.grpc.status).
+
+    ServerLive, ServerReady                   open, as HTTP's health probes
+    ModelReady, ServerMetadata, ModelMetadata,
+    ModelConfig, ModelStatistics, ModelInfer  the API key, where ATTEND_API_KEYS is set
+    RepositoryIndex, RepositoryModelLoad,
+    RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
+    everything else                           UNIMPLEMENTED
+
+Transport limits: a message of at most ATTEND_MAX_BODY_BYTES (RESOURCE_EXHAUSTED past it, from grpc),
+at most ATTEND_MAX_CONNECTIONS calls at once (grpc's maximum_concurrent_rpcs: RESOURCE_EXHAUSTED past
+it, health calls included). A client that cancels, or goes away, is counted as HTTP counts it: 499.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from service.config import Settings
+from service.core.dataplane import Dataplane, check_api_key
+from service.core.errors import ClientGone, DeadlineExceeded, ServiceError
+from service.core.logs import log_access, new_request_id, request_id
+from service.core.request import find_model
+from service.core.runtime import StartupError
+from service.grpc import codec
+from service.grpc.proto import grpc_service_pb2 as pb
+from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
+from service.grpc.proto import model_config_pb2
+from service.grpc.status import code_of, details_of, metadata_of
+from service.protocols.v2 import config, extensions, metadata
+
+log = logging.getLogger("service")
+
+_SERVICE = "/inference.GRPCInferenceService/"
+
+
+class _Count:
+    """A number as a load hint (service.core.dataplane.Dataplane.add_load_hint reads its len)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str | bytes]:
+    return dict(context.invocation_metadata() or ())
+
+
+def _authorization(metadata: dict[str, str | bytes]) -> bytes | None:
+    value = metadata.get("authorization")
+    return value.encode("latin-1", "replace") if isinstance(value, str) else value
+
+
+async def _refuse(context: grpc.aio.ServicerContext, error: ServiceError, rid: str | None = None) -> NoReturn:
+    """Ends the call with the error's status code and details (raises grpc's AbortError)."""
+    trailing = metadata_of(error) + ((("x-request-id", rid),) if rid else ())
+    await context.abort(code_of(error), details_of(error), trailing)
+    raise AssertionError("abort returned")  # it never does
+
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _rpc(method: Handler) -> Handler:
+    """A call that is not ModelInfer: its errors as status codes, an access log line."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def call(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        status = 500
+        try:
+            answer = await method(self, request, context)
+            status = 200
+            return answer
+        except ServiceError as e:
+            status = e.status
+            await _refuse(context, e)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("unhandled error in gRPC %s", name)
+            await _refuse(context, ServiceError("internal server error"))
+        finally:
+            log_access("GRPC", name, status, time.perf_counter() - start)
+
+    return call
+
+
+class Servicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Each RPC over the core; the methods it does not define answer UNIMPLEMENTED (the generated base)."""
+
+    def __init__(self, dataplane: Dataplane, settings: Settings, version: str):
+        self.dataplane = dataplane
+        self.version = version
+        self.max_batch = settings.max_batch
+        self.in_progress = _Count()  # ModelInfer calls under way: the batching's load hint
+
+    def _key(self, context: grpc.aio.ServicerContext) -> None:
+        keys = self.dataplane.api_keys
+        if keys:
+            check_api_key(_authorization(_metadata(context)), keys)
+
+    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        self.dataplane.check_admin(_authorization(_metadata(context)))
+
+    # ----------------------------------------------------------------------------------- health
+
+    @_rpc
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:  # noqa: N802
+        return pb.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:  # noqa: N802
+        try:
+            self.dataplane.check_ready()
+        except ServiceError:
+            return pb.ServerReadyResponse(ready=False)
+        return pb.ServerReadyResponse(ready=True)
+
+    @_rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:  # noqa: N802
+        self._key(context)
+        try:
+            find_model(self.dataplane.registry, request.name, request.version or None)
+        except ServiceError:
+            return pb.ModelReadyResponse(ready=False)  # as Triton: not an error
+        return pb.ModelReadyResponse(ready=self.dataplane.ready)
+
+    # --------------------------------------------------------------------------------- metadata
+
+    @_rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any  # noqa: N802
+                             ) -> pb.ServerMetadataResponse:
+        self._key(context)
+        return pb.ServerMetadataResponse(name="attend", version=self.version,
+                                         extensions=extensions(self.dataplane.model_control))
+
+    @_rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any  # noqa: N802
+                            ) -> pb.ModelMetadataResponse:
+        self._key(context)
+        model = find_model(self.dataplane.registry, request.name, request.version or None)
+        return codec.message_from(metadata(model), pb.ModelMetadataResponse())
+
+    @_rpc
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:  # noqa: N802
+        self._key(context)
+        model = find_model(self.dataplane.registry, request.name, request.version or None)
+        return pb.ModelConfigResponse(config=codec.message_from(config(model, self.max_batch),
+                                                                model_config_pb2.ModelConfig()))
+
+    @_rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any  # noqa: N802
+                              ) -> pb.ModelStatisticsResponse:
+        self._key(context)
+        report = self.dataplane.statistics(request.name or None, request.version or None)
+        return codec.message_from(report, pb.ModelStatisticsResponse())
+
+    # ------------------------------------------------------------------------- model repository
+
+    @_rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any  # noqa: N802
+                              ) -> pb.RepositoryIndexResponse:
+        self._admin(context)
+        rows = self.dataplane.registry.index()
+        if request.ready:
+            rows = [r for r in rows if r["state"] == "READY"]
+        return codec.message_from({"models": rows}, pb.RepositoryIndexResponse())
+
+    @_rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context: Any  # noqa: N802
+                                  ) -> pb.RepositoryModelLoadResponse:
+        self._admin(context)
+        await self.dataplane.control.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context: Any  # noqa: N802
+                                    ) -> pb.RepositoryModelUnloadResponse:
+        self._admin(context)
+        await self.dataplane.control.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -------------------------------------------------------------------------------- inference
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                         ) -> pb.ModelInferResponse:
+        """What service.http.endpoint.InferenceEndpoint._serve does for HTTP, for one call."""
+        start = time.perf_counter()
+        arrived = time.monotonic()
+        dataplane = self.dataplane
+        metadata = _metadata(context)
+        rid = metadata.get("x-request-id")
+        rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
+        token = request_id.set(rid)
+        outcome = ["-", 500]  # the model's label and the status, for the access log line
+        try:
+            try:
+                dataplane.admit(_authorization(metadata))
+            except ServiceError as e:
+                outcome[1] = dataplane.failed("-", e, protocol="grpc")
+                await _refuse(context, e, rid)
+            self.in_progress.n += 1
+            try:
+                answer = await self._infer(request, context, metadata, start, arrived, outcome)
+            finally:
+                self.in_progress.n -= 1
+                dataplane.release()
+            if isinstance(answer, ServiceError):
+                await _refuse(context, answer, rid)
+            context.set_trailing_metadata((("x-request-id", rid),))
+            return answer
+        finally:
+            log_access("GRPC", f"ModelInfer {outcome[0]}", outcome[1], time.perf_counter() - start)
+            request_id.reset(token)
+
+    async def _infer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext,
+                     metadata: dict[str, str | bytes], start: float, arrived: float, outcome: list
+                     ) -> pb.ModelInferResponse | ServiceError:
+        """The answer, or the error to end the call with; `outcome` says the model's label and status."""
+        dataplane = self.dataplane
+        name = request.model_name
+        model = name if dataplane.registry.get(name) is not None else "-"  # labels only for models that exist
+        outcome[0] = model
+        version: int | str | None = request.model_version or None  # the statistics': asked for, then decoded
+        cost = dataplane.cost()
+        try:
+            timeout_ms = metadata.get("x-request-timeout-ms")
+            until = dataplane.deadline(timeout_ms, arrived)
+            remaining = context.time_remaining()  # grpc-timeout, where the client set a deadline
+            if remaining is not None:
+                until = min(until, time.monotonic() + remaining)
+            # The message is in memory already (at most ATTEND_MAX_BODY_BYTES): it is held first, and a
+            # call that would take the budget past its limit is refused as HTTP's body would be.
+            cost.base = request.ByteSize()
+            cost.hold(cost.base, "this request")
+            with dataplane.within(until, "it was decoded"):
+                if cost.base > dataplane.inline_decode_bytes:
+                    decoded, encode = await dataplane.in_thread(until, codec.decode, dataplane, request, cost)
+                else:
+                    decoded, encode = codec.decode(dataplane, request, cost)
+            outcome[0] = model = decoded.model.name
+            version = decoded.model.config.version
+            response, snapshot = await dataplane.infer(decoded, until, encode, None, cost)
+        except ServiceError as e:
+            cost.release()
+            outcome[1] = dataplane.failed(e.model or model, e, time.perf_counter() - start, version, "grpc")
+            return e
+        except asyncio.CancelledError:
+            # The client cancelled, went away, or its deadline passed: grpc ends the call, nothing is sent.
+            cost.release()
+            remaining = context.time_remaining()
+            gone: ServiceError = DeadlineExceeded("the call's deadline passed") \
+                if remaining is not None and remaining <= 0 else ClientGone("the client cancelled the call")
+            outcome[1] = dataplane.failed(model, gone, time.perf_counter() - start, version, "grpc")
+            raise
+        except Exception:
+            cost.release()
+            log.exception("unhandled error in gRPC ModelInfer")
+            error = ServiceError("internal server error")
+            outcome[1] = dataplane.failed(model, error, time.perf_counter() - start, version, "grpc")
+            return error
+        cost.release()
+        dataplane.answered(model, 200, time.perf_counter() - start, snapshot, "grpc")
+        outcome[1] = 200
+        return response
+
+
+def grpc_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port(host: str, port: int) -> None:
+    """StartupError unless (host, port) can be bound now: a clear reason before anything starts (grpc's
+    own bind reports only that it failed). Bound without SO_REUSEPORT, so that a port another process
+    holds with it (another service's gRPC) counts as taken too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"cannot serve gRPC on {grpc_address(host, port)} (ATTEND_GRPC_PORT): "
+                               f"{e.strerror or e}; set ATTEND_GRPC_PORT to a free port, or 0 to turn gRPC off"
+                               ) from None
+
+
+class GRPCServer:
+    """The gRPC front door as a transport of the Dataplane (service.core.dataplane.Transport).
+    `shared_port`: the workers of ATTEND_WORKERS bind the same port (SO_REUSEPORT; the kernel spreads
+    the connections over them); one process alone does not, so a port in use is an error."""
+
+    def __init__(self, settings: Settings, version: str, shared_port: bool = False):
+        self.settings = settings
+        self.version = version
+        self.shared_port = shared_port
+        self.server: grpc.aio.Server | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: asyncio.Future | None = None
+        self.address = grpc_address(settings.host, settings.grpc_port)
+
+    async def start(self, dataplane: Dataplane) -> None:
+        settings = self.settings
+        self.loop = asyncio.get_running_loop()
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_send_message_length", -1),  # the answers' size is bounded by the request limits
+            ("grpc.so_reuseport", int(self.shared_port)),
+        ], maximum_concurrent_rpcs=settings.max_connections)
+        servicer = Servicer(dataplane, settings, self.version)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+        try:
+            port = server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            port, reason = 0, str(e)
+        else:
+            reason = "the port is in use or the address cannot be bound"
+        if not port:
+            raise StartupError(f"cannot serve gRPC on {self.address} (ATTEND_GRPC_PORT): {reason}")
+        await server.start()
+        self.server = server
+        dataplane.add_load_hint(servicer.in_progress, servicer.in_progress)
+        log.info("gRPC (Triton's GRPCInferenceService) on %s", self.address)
+
+    def stop_accepting(self) -> None:
+        """No new calls from now on (grpc refuses them); those under way have ATTEND_GRACE_PERIOD_S.
+        Safe from a signal handler: the stop begins on the event loop."""
+        if self.server is None or self.loop is None or self.stopping is not None:
+            return
+        self.stopping = self.loop.create_future()  # set now: a second call begins nothing
+        self.loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
+        assert self.server is not None and self.stopping is not None
+        stopping = self.stopping
+        task = asyncio.ensure_future(self.server.stop(self.settings.grace_period_s))
+        task.add_done_callback(lambda t: stopping.set_result(None) if not stopping.done() else None)
+
+    async def stop(self) -> None:
+        if self.server is None:
+            return
+        self.stop_accepting()
+        assert self.stopping is not None
+        await self.stopping
+        log.info("gRPC stopped")

@@ -1,0 +1,476 @@
+"""The Open Inference Protocol over gRPC (service/grpc), against the real process (`python -m service`
+with ATTEND_GRPC_PORT): Triton's own client, sync and aio, gives /attend's numbers for every kind and
+both forms of valid lengths; typed contents and raw_input_contents; metadata, config, readiness and
+statistics; errors as status codes naming the input; keys; deadlines; the message limit; a gRPC and an
+HTTP request in one batch; off with ATTEND_GRPC_PORT=0; SIGTERM drains a call; ATTEND_WORKERS=2.
+
+The requests below that tritonclient cannot make (typed contents, broken messages) are built with the
+stubs tritonclient ships (tritonclient.grpc.service_pb2): this process never imports the service's own
+(service.grpc.proto), which would register the same proto files in protobuf's default pool twice.
+"""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+from tritonclient.utils import InferenceServerException
+
+from export.repository import KINDS, read_config
+from service.http.schemas import toy_request
+from tests.server import ROOT, free_port, running_service
+from tests.service.test_batching import make_body
+from tests.service.test_v2 import _arrays, _bodies, _check, _expected
+
+pytestmark = pytest.mark.slow
+
+KEY, ADMIN = "grpc-key", "grpc-admin"
+# The book's printed example (D2L's additive attention, toy_request()): its outputs.
+BOOK_OUTPUTS = [[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]]
+
+
+@pytest.fixture(scope="module")
+def server(repository):
+    """(HTTP URL, gRPC address) of one service: messages up to 1 MiB; a batch waits up to 20 ms for a
+    request that a busy client is about to send."""
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_MAX_BODY_BYTES=str(1 << 20), ATTEND_MAX_BATCH_WAIT_US="20000") as (url, _):
+        yield url, f"127.0.0.1:{port}"
+
+
+def _inputs(module, tensors):
+    inputs = []
+    for name, array in tensors.items():
+        tensor = module.InferInput(name, list(array.shape), "INT64" if array.dtype == np.int64 else "FP32")
+        tensor.set_data_from_numpy(array)  # tritonclient.grpc: always raw_input_contents
+        inputs.append(tensor)
+    return inputs
+
+
+def _stub(address):
+    channel = grpc.insecure_channel(address)
+    return channel, pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def _typed_request(model, tensors, outputs=()):
+    """A ModelInferRequest with every input's data in its typed contents (fp32_contents, int64_contents)."""
+    request = pb.ModelInferRequest(model_name=model)
+    for name, array in tensors.items():
+        tensor = request.inputs.add(name=name, shape=array.shape)
+        if array.dtype == np.int64:
+            tensor.datatype = "INT64"
+            tensor.contents.int64_contents.extend(array.ravel().tolist())
+        else:
+            tensor.datatype = "FP32"
+            tensor.contents.fp32_contents.extend(array.ravel().tolist())
+    for name in outputs:
+        request.outputs.add(name=name)
+    return request
+
+
+def _raw_request(model, tensors):
+    request = pb.ModelInferRequest(model_name=model)
+    for name, array in tensors.items():
+        request.inputs.add(name=name, shape=array.shape, datatype="INT64" if array.dtype == np.int64 else "FP32")
+        request.raw_input_contents.append(array.tobytes())
+    return request
+
+
+def _outputs(response):
+    """name -> array of a ModelInferResponse (raw_output_contents, FP32)."""
+    return {o.name: np.frombuffer(raw, dtype="<f4").reshape(o.shape)
+            for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)}
+
+
+def _forms():
+    """Every default kind with valid lengths absent, 1-D and 2-D (positional encoding has none)."""
+    forms = {(json.loads(b)["model"], "none" if "valid_lens" not in json.loads(b) else
+              f"{np.array(json.loads(b)['valid_lens']).ndim}d") for b in _bodies()}
+    return forms
+
+
+def test_the_stubs_are_generated_from_the_vendored_protos():
+    result = subprocess.run([sys.executable, "scripts/grpc_stubs.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_kind_and_both_valid_length_forms_are_covered():
+    forms = _forms()
+    assert {k for k, _ in forms} == set(KINDS)
+    assert {f for k, f in forms if k != "positional_encoding"} == {"none", "1d", "2d"}
+
+
+def test_tritonclient_grpc_sync_gives_attends_numbers(server):
+    url, address = server
+    client = grpcclient.InferenceServerClient(address)
+    for body in _bodies():
+        model, tensors = _arrays(body)
+        result = client.infer(model, _inputs(grpcclient, tensors), request_id="g-1")
+        _check(result, _expected(url, body))
+        response = result.get_response()
+        assert response.id == "g-1" and response.model_name == model and response.model_version == "1"
+    result = client.infer("additive", _inputs(grpcclient, _arrays(json.dumps(toy_request()).encode())[1]))
+    np.testing.assert_allclose(result.as_numpy("outputs"), BOOK_OUTPUTS, rtol=1e-6)
+
+
+def test_tritonclient_grpc_aio_gives_attends_numbers(server):
+    url, address = server
+
+    async def run():
+        client = aioclient.InferenceServerClient(address)
+        try:
+            results = await asyncio.gather(*(client.infer(model, _inputs(aioclient, tensors))
+                                             for model, tensors in map(_arrays, _bodies())))
+        finally:
+            await client.close()
+        return results
+
+    for body, result in zip(_bodies(), asyncio.run(run()), strict=True):
+        _check(result, _expected(url, body))
+
+
+def test_typed_contents_give_what_raw_contents_give(server):
+    url, address = server
+    channel, stub = _stub(address)
+    with channel:
+        for body in _bodies():
+            model, tensors = _arrays(body)
+            typed = _outputs(stub.ModelInfer(_typed_request(model, tensors)))
+            raw = _outputs(stub.ModelInfer(_raw_request(model, tensors)))
+            assert typed.keys() == raw.keys() and typed
+            for name in typed:
+                np.testing.assert_array_equal(typed[name], raw[name])
+            expected = _expected(url, body)
+            for name, array in typed.items():
+                np.testing.assert_allclose(array, np.array(expected[name]), rtol=1e-6, atol=1e-7)
+        # FP64 and INT32 are converted, as over HTTP; only the outputs asked for come back, in that order.
+        _, tensors = _arrays(json.dumps(toy_request()).encode())
+        request = pb.ModelInferRequest(model_name="additive", id="typed")
+        for name, array in tensors.items():
+            tensor = request.inputs.add(name=name, shape=array.shape)
+            if name == "valid_lens":
+                tensor.datatype = "INT32"
+                tensor.contents.int_contents.extend(array.ravel().tolist())
+            else:
+                tensor.datatype = "FP64"
+                tensor.contents.fp64_contents.extend(array.ravel().tolist())
+        request.outputs.add(name="outputs")
+        response = stub.ModelInfer(request)
+        assert [o.name for o in response.outputs] == ["outputs"] and response.id == "typed"
+        np.testing.assert_allclose(_outputs(response)["outputs"], BOOK_OUTPUTS, rtol=1e-6)
+
+
+def test_metadata_config_and_readiness_match_the_repository(server, repository):
+    url, address = server
+    client = grpcclient.InferenceServerClient(address)
+    assert client.is_server_live() and client.is_server_ready()
+    metadata = client.get_server_metadata()
+    assert metadata.name == "attend" and list(metadata.extensions) == httpx.get(f"{url}/v2").json()["extensions"]
+    assert "statistics" in metadata.extensions and "model_repository" not in metadata.extensions
+    for kind in KINDS:
+        config = read_config(repository / kind)
+        meta = client.get_model_metadata(kind, as_json=True)
+        assert meta == httpx.get(f"{url}/v2/models/{kind}").json() | {"inputs": meta["inputs"],
+                                                                       "outputs": meta["outputs"]}
+        assert [(t["name"], [int(d) for d in t["shape"]]) for t in meta["inputs"]] == \
+            [(s["name"], [d if isinstance(d, int) else -1 for d in s["shape"]]) for s in config.inputs]
+        assert client.is_model_ready(kind) and client.is_model_ready(kind, model_version=str(config.version))
+        triton = client.get_model_config(kind).config
+        rest = httpx.get(f"{url}/v2/models/{kind}/config").json()
+        assert triton.max_batch_size == rest["max_batch_size"] == (1024 if kind != "positional_encoding" else 0)
+        assert [(t.name, list(t.dims), t.optional) for t in triton.input] == \
+            [(t["name"], t["dims"], t.get("optional", False)) for t in rest["input"]]
+        assert triton.parameters["kind"].string_value == kind and triton.backend == "onnxruntime"
+    assert not client.is_model_ready("nope") and not client.is_model_ready("additive", model_version="7")
+
+
+def test_statistics_move_after_an_inference(server):
+    url, address = server
+    client = grpcclient.InferenceServerClient(address)
+    before = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]
+    _, tensors = _arrays(make_body("dot_product", np.random.default_rng(1), 3, 2, 4, "1d"))
+    for _ in range(2):
+        client.infer("dot_product", _inputs(grpcclient, tensors))
+    after = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]
+    count = lambda stats, key: int(stats["inference_stats"][key].get("count", 0))  # noqa: E731
+    assert count(after, "success") == count(before, "success") + 2
+    assert int(after["inference_count"]) == int(before.get("inference_count", 0)) + 6  # 3 rows each
+    assert int(after["inference_stats"]["compute_infer"]["ns"]) > int(before["inference_stats"]
+                                                                      .get("compute_infer", {}).get("ns", 0))
+    # The same numbers as HTTP's statistics extension (both read the one dict).
+    rest = httpx.get(f"{url}/v2/models/dot_product/stats").json()["model_stats"][0]
+    assert int(rest["inference_stats"]["success"]["count"]) == count(after, "success")
+    assert len(client.get_inference_statistics().model_stats) == len(KINDS)
+    with pytest.raises(InferenceServerException) as error:
+        client.get_inference_statistics("nope")
+    assert error.value.status() == "StatusCode.NOT_FOUND"
+
+
+def _error(call):
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value.code(), error.value.details()
+
+
+def test_errors_are_status_codes_naming_the_input(server):
+    url, address = server
+    _, tensors = _arrays(json.dumps(toy_request()).encode())
+    channel, stub = _stub(address)
+    with channel:
+        wrong = dict(tensors, keys=tensors["keys"][:, :, :1])  # additive's keys have 2 features
+        code, details = _error(lambda: stub.ModelInfer(_raw_request("additive", wrong)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("input keys: keys must have 2 features (axis 2)") and "expected [" in details \
+            and "received [2,10,1]" in details, details
+        request = _raw_request("additive", tensors)
+        request.inputs[0].datatype = "BYTES"
+        code, details = _error(lambda: stub.ModelInfer(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details == "input queries: datatype 'BYTES' is not accepted; send FP32 or FP16 or FP64"
+        request = _raw_request("additive", tensors)
+        request.raw_input_contents[1] = request.raw_input_contents[1][:-4]
+        code, details = _error(lambda: stub.ModelInfer(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(
+            "input keys: raw_input_contents[1] is 156 bytes, but shape [2, 10, 2] of FP32 takes 160"), details
+        request = _raw_request("additive", tensors)
+        del request.raw_input_contents[-1]
+        assert _error(lambda: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT, (
+            "raw_input_contents has 3 entries for 4 inputs: give every input's data there, in the order of "
+            "inputs, or none"))
+        request = _raw_request("additive", tensors)
+        request.inputs[0].contents.fp32_contents.append(1.0)
+        assert _error(lambda: stub.ModelInfer(request)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "input queries has both contents and raw_input_contents[0]: send one")
+        request = _typed_request("additive", tensors)
+        del request.inputs[1].contents.fp32_contents[-1]
+        assert _error(lambda: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT, (
+            "input keys: contents.fp32_contents holds 39 values, shape [2, 10, 2] takes 40"))
+        request = _typed_request("additive", {k: v for k, v in tensors.items() if k != "values"})
+        assert _error(lambda: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                            "model additive needs input(s) values")
+        request = _typed_request("additive", tensors, outputs=["nope"])
+        code, details = _error(lambda: stub.ModelInfer(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("model additive has no output 'nope'")
+        code, details = _error(lambda: stub.ModelInfer(_raw_request("nope", tensors)))
+        assert code == grpc.StatusCode.NOT_FOUND and details.startswith("unknown model 'nope'; available: additive")
+        request = _raw_request("additive", tensors)
+        request.model_version = "7"
+        code, details = _error(lambda: stub.ModelInfer(request))
+        assert code == grpc.StatusCode.NOT_FOUND and "version '7' of model 'additive' is not loaded" in details
+        code, details = _error(lambda: stub.ModelInfer(_raw_request("additive", tensors),
+                                                       metadata=[("x-request-timeout-ms", "soon")]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "X-Request-Timeout-Ms" in details
+        assert _error(lambda: stub.ModelStreamInfer(iter([request])).next())[0] == grpc.StatusCode.UNIMPLEMENTED
+        assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest()))[0] == \
+            grpc.StatusCode.UNIMPLEMENTED
+        # Model control is off here: the repository calls are NOT_FOUND, as HTTP's routes are 404.
+        code, details = _error(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()))
+        assert code == grpc.StatusCode.NOT_FOUND and details.startswith("model control is off")
+    # Counted with the protocol's label, by the status the code was mapped from.
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'attend_requests_total{model="additive",protocol="grpc",status="400"}' in metrics
+    assert 'attend_requests_total{model="-",protocol="grpc",status="404"}' in metrics
+
+
+def test_a_message_over_the_limit_is_resource_exhausted_and_the_server_goes_on(server):
+    url, address = server
+    client = grpcclient.InferenceServerClient(address)
+    big = np.zeros((1, 512, 1024), dtype=np.float32)  # 2 MiB of queries: over ATTEND_MAX_BODY_BYTES (1 MiB)
+    tensor = grpcclient.InferInput("scores", list(big.shape), "FP32")
+    tensor.set_data_from_numpy(big)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer("masked_softmax", [tensor])
+    assert error.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert httpx.get(f"{url}/health/live").status_code == 200
+    result = client.infer("additive", _inputs(grpcclient, _arrays(json.dumps(toy_request()).encode())[1]))
+    np.testing.assert_allclose(result.as_numpy("outputs"), BOOK_OUTPUTS, rtol=1e-6)
+
+
+def test_grpc_and_http_requests_share_batches(server):
+    """HTTP requests of 2 rows and gRPC requests of 3 rows of one model, sent at the same moment (a
+    barrier): a session run of 5, 7, 8, 10 or more rows (the model's batch_stats) can only be one that
+    merged both protocols' requests. Each answer is its own."""
+    url, address = server
+    rng = np.random.default_rng(5)
+    over_http = [make_body("masked_softmax", rng, 2, 3, 4, "2d") for _ in range(3)]
+    over_grpc = [make_body("masked_softmax", rng, 3, 3, 4, "1d") for _ in range(3)]
+    expected = [_expected(url, b)["outputs"] for b in over_http + over_grpc]
+    http_only, grpc_only = {2, 4, 6}, {3, 6, 9}
+
+    def sizes():
+        stats = httpx.get(f"{url}/v2/models/masked_softmax/stats").json()["model_stats"][0]
+        return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
+
+    barrier = threading.Barrier(6)
+
+    def send(body):
+        if body in over_http:
+            with httpx.Client(base_url=url) as http:
+                http.get("/health/live")  # connected before the barrier
+                barrier.wait()
+                return http.post("/attend", content=body, headers={"content-type": "application/json"}).json()[
+                    "outputs"]
+        client = grpcclient.InferenceServerClient(address)
+        inputs = _inputs(grpcclient, _arrays(body)[1])
+        client.is_server_live()
+        barrier.wait()
+        return client.infer("masked_softmax", inputs).as_numpy("outputs")
+
+    mixed = set()
+    with ThreadPoolExecutor(6) as pool:
+        for _ in range(5):
+            before = sizes()
+            barrier.reset()
+            for got, want in zip(pool.map(send, over_http + over_grpc), expected, strict=True):
+                np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-7)
+            after = sizes()
+            ran = {size for size, runs in after.items() if runs > before.get(size, 0)}
+            mixed |= ran - http_only - grpc_only
+            if mixed:
+                break
+    assert mixed, "no session run merged an HTTP request with a gRPC one"
+
+
+def test_deadlines(server):
+    """grpc-timeout: a call whose deadline passes ends DEADLINE_EXCEEDED; the server goes on."""
+    url, address = server
+    client = grpcclient.InferenceServerClient(address)
+    rng = np.random.default_rng(2)
+    scores = rng.normal(size=(16, 128, 120)).astype(np.float32)  # just under the message limit, 1 MiB
+    tensor = grpcclient.InferInput("scores", list(scores.shape), "FP32")
+    tensor.set_data_from_numpy(scores)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer("masked_softmax", [tensor], client_timeout=0.0005)
+    assert error.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    result = client.infer("masked_softmax", [tensor], client_timeout=30)
+    assert result.as_numpy("outputs").shape == (16, 128, 120)
+
+
+def test_keys_and_model_control(repository):
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_API_KEYS=KEY, ATTEND_ADMIN_KEYS=ADMIN,
+                         ATTEND_INTRA_OP_THREADS="1") as (url, _):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        keyed = {"authorization": f"Bearer {KEY}"}
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        inputs = _inputs(grpcclient, _arrays(json.dumps(toy_request()).encode())[1])
+        assert client.is_server_live() and client.is_server_ready()  # open, as HTTP's probes
+        for call in (lambda h: client.infer("additive", inputs, headers=h),
+                     lambda h: client.get_model_metadata("additive", headers=h),
+                     lambda h: client.get_server_metadata(headers=h),
+                     lambda h: client.get_inference_statistics("additive", headers=h)):
+            for headers in (None, {"authorization": "Bearer wrong"}):
+                with pytest.raises(InferenceServerException) as error:
+                    call(headers)
+                assert error.value.status() == "StatusCode.UNAUTHENTICATED"
+            assert call(keyed) is not None
+        np.testing.assert_allclose(client.infer("additive", inputs, headers=keyed).as_numpy("outputs"),
+                                   BOOK_OUTPUTS, rtol=1e-6)
+        assert "model_repository" in client.get_server_metadata(headers=keyed).extensions
+        # Model control: the admin key, not the API key.
+        with pytest.raises(InferenceServerException) as error:
+            client.unload_model("additive", headers=keyed)
+        assert error.value.status() == "StatusCode.UNAUTHENTICATED"
+        index = client.get_model_repository_index(headers=admin).models
+        assert {(m.name, m.version, m.state) for m in index} == {(k, "1", "READY") for k in KINDS}
+        client.unload_model("additive", headers=admin)
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("additive", inputs, headers=keyed)
+        assert error.value.status() == "StatusCode.NOT_FOUND"
+        assert not client.is_model_ready("additive", headers=keyed)
+        ready = client.get_model_repository_index(headers=admin, as_json=True)
+        assert "additive" not in {m["name"] for m in ready["models"] if m.get("state") == "READY"}
+        client.load_model("additive", headers=admin)
+        np.testing.assert_allclose(client.infer("additive", inputs, headers=keyed).as_numpy("outputs"),
+                                   BOOK_OUTPUTS, rtol=1e-6)
+        with pytest.raises(InferenceServerException) as error:
+            client.load_model("../etc", headers=admin)
+        assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert httpx.get(f"{url}/health/live").status_code == 200
+
+
+def test_off_with_port_zero_and_a_taken_port_stops_the_start(repository, tmp_path):
+    log = tmp_path / "service.log"
+    with running_service(repository, log_path=log, ATTEND_GRPC_PORT="0", ATTEND_LOG_LEVEL="info") as (url, _):
+        assert httpx.get(f"{url}/v2").status_code == 200
+    text = log.read_text()
+    assert "ready: 6 models" in text and "gRPC" not in text
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_PORT": str(free_port()),
+               "ATTEND_GRPC_PORT": str(port), "PATH": "/usr/bin:/bin"}
+        result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=60)
+    assert result.returncode == 1
+    assert f"cannot start: cannot serve gRPC on 127.0.0.1:{port} (ATTEND_GRPC_PORT): Address already in use" \
+        in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_sigterm_drains_a_call_in_flight(repository):
+    """A call under way when SIGTERM comes is answered; a new one is refused; the process exits 0."""
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20)) as (url, proc):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        rng = np.random.default_rng(4)
+        q = rng.normal(size=(2, 2048, 64)).astype(np.float32)
+        inputs = []
+        for name, array in (("queries", q), ("keys", q), ("values", q)):
+            tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        outputs = [grpcclient.InferRequestedOutput("outputs")]
+        start = time.perf_counter()
+        client.infer("dot_product", inputs, outputs=outputs)
+        alone = time.perf_counter() - start
+        assert alone > 0.1, f"the slow call took {alone:.3f}s: too short to send SIGTERM during it"
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
+            time.sleep(alone / 3)
+            proc.send_signal(signal.SIGTERM)
+            result = call.result(timeout=60)
+        np.testing.assert_allclose(result.as_numpy("outputs")[0, :2], _attention(q[0, :2], q[0], q[0]), rtol=1e-4,
+                                   atol=1e-5)
+        with pytest.raises(InferenceServerException) as error:
+            grpcclient.InferenceServerClient(f"127.0.0.1:{port}").infer("dot_product", inputs, outputs=outputs)
+        assert error.value.status() == "StatusCode.UNAVAILABLE"
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def _attention(q, k, v):
+    """Scaled dot-product attention, the book's formula, for a few queries."""
+    scores = q @ k.T / np.sqrt(q.shape[-1])
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)) @ v
+
+
+def test_workers_serve_grpc_on_one_port(repository):
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_WORKERS="2",
+                         ATTEND_INTRA_OP_THREADS="1") as (url, _):
+        inputs = _inputs(grpcclient, _arrays(json.dumps(toy_request()).encode())[1])
+        for _ in range(8):  # a new connection each: the kernel spreads them over both workers
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+            np.testing.assert_allclose(client.infer("additive", inputs).as_numpy("outputs"), BOOK_OUTPUTS,
+                                       rtol=1e-6)
+            client.close()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'attend_requests_total{model="additive",protocol="grpc",status="200"} 8.0' in metrics
