@@ -44,7 +44,8 @@ def parser(prog: str = "python -m service") -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve every model of the repository (ATTEND_MODEL_REPOSITORY) over HTTP through ONNX Runtime.\n"
+        description="Serve every model of the repository (ATTEND_MODEL_REPOSITORY) over HTTP (and gRPC, on\n"
+        "ATTEND_GRPC_PORT; 0 turns it off) through ONNX Runtime.\n"
         "Settings are ATTEND_* environment variables (README.md, \"Settings\", says what each does); an\n"
         "unknown ATTEND_* variable stops the start. To listen beyond localhost: ATTEND_HOST=0.0.0.0.\n"
         "SIGTERM drains and exits; SIGHUP loads the models whose newest version changed.",

@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.batching import BatchLimits
@@ -24,6 +24,13 @@ class Settings(BaseSettings):
     # The Open Inference Protocol over gRPC (service/grpc), beside HTTP in the same process, on ATTEND_HOST;
     # 8001 as Triton's. 0 turns it off.
     grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC's port (Triton's GRPCInferenceService); 0: off")
+
+    @field_validator("grpc_port")
+    @classmethod
+    def _not_http_port(cls, value: int, info: ValidationInfo) -> int:
+        if value and value == info.data.get("port"):
+            raise ValueError("must differ from ATTEND_PORT (gRPC and HTTP each need a port; 0 turns gRPC off)")
+        return value
     model_repository: Path = Path("model_repository")
     device: Literal["auto", "cuda", "cpu"] = "auto"
     workers: int = Field(1, ge=1, description="uvicorn worker processes")
@@ -147,7 +154,8 @@ class Settings(BaseSettings):
 # compose's published port and base image, the container and deploy checks). Any other ATTEND_* variable
 # is a mistake, and the service refuses to start with it (a typo would otherwise leave a setting unset:
 # ATTEND_API_KEY=... serving with no key at all).
-TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE", "ATTEND_SKIP_BROWSER",
+TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_PUBLISH_GRPC", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE",
+                            "ATTEND_SKIP_BROWSER",
                             "ATTEND_CHROMIUM", "ATTEND_SCREENSHOTS", "ATTEND_TOOLS", "ATTEND_DEPLOY_TOOLS",
                             "ATTEND_DOCKER_STATE"})
 

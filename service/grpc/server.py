@@ -289,6 +289,23 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+def _unimplemented(name: str) -> Handler:
+    async def call(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        log_access("GRPC", name, 501, 0.0)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this server does not implement {name}")
+
+    call.__name__ = name
+    return call
+
+
+# What the service does not serve (streaming, shared memory, trace and log settings) answers UNIMPLEMENTED
+# itself: the generated base class's methods raise NotImplementedError, run on a thread, and are logged
+# with a traceback by grpc.
+for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():
+    if not _name.startswith("_") and callable(_method) and _name not in vars(Servicer):
+        setattr(Servicer, _name, _unimplemented(_name))
+
+
 def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

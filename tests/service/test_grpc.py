@@ -43,13 +43,15 @@ BOOK_OUTPUTS = [[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]]
 
 
 @pytest.fixture(scope="module")
-def server(repository):
+def server(repository, tmp_path_factory):
     """(HTTP URL, gRPC address) of one service: messages up to 1 MiB; a batch waits up to 20 ms for a
-    request that a busy client is about to send."""
+    request that a busy client is about to send. Its log, at the end: no traceback."""
     port = free_port()
-    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+    log = tmp_path_factory.mktemp("grpc") / "service.log"
+    with running_service(repository, log_path=log, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_MAX_BODY_BYTES=str(1 << 20), ATTEND_MAX_BATCH_WAIT_US="20000") as (url, _):
         yield url, f"127.0.0.1:{port}"
+    assert "Traceback" not in log.read_text()
 
 
 def _inputs(module, tensors):
@@ -275,9 +277,10 @@ def test_errors_are_status_codes_naming_the_input(server):
         code, details = _error(lambda: stub.ModelInfer(_raw_request("additive", tensors),
                                                        metadata=[("x-request-timeout-ms", "soon")]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "X-Request-Timeout-Ms" in details
-        assert _error(lambda: stub.ModelStreamInfer(iter([request])).next())[0] == grpc.StatusCode.UNIMPLEMENTED
-        assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest()))[0] == \
-            grpc.StatusCode.UNIMPLEMENTED
+        assert _error(lambda: stub.ModelStreamInfer(iter([request])).next()) == (
+            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement ModelStreamInfer")
+        assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())) == (
+            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement SystemSharedMemoryStatus")
         # Model control is off here: the repository calls are NOT_FOUND, as HTTP's routes are 404.
         code, details = _error(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()))
         assert code == grpc.StatusCode.NOT_FOUND and details.startswith("model control is off")
@@ -422,6 +425,61 @@ def test_off_with_port_zero_and_a_taken_port_stops_the_start(repository, tmp_pat
     assert f"cannot start: cannot serve gRPC on 127.0.0.1:{port} (ATTEND_GRPC_PORT): Address already in use" \
         in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+    same = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=env | {"ATTEND_GRPC_PORT": env["ATTEND_PORT"]})
+    assert same.returncode == 1 and same.stderr.startswith("cannot start: ATTEND_GRPC_PORT: Value error, must differ "
+                                                           "from ATTEND_PORT"), same.stderr
+
+
+def _slow_call(port):
+    """A client, the inputs of a dot-product call that runs for a while (2 x 2048 x 2048 scores), its
+    outputs, and how long it took once (its length bucket's runs go to an inference thread from then on)."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    q = np.random.default_rng(4).normal(size=(2, 2048, 64)).astype(np.float32)
+    inputs = []
+    for name in ("queries", "keys", "values"):
+        tensor = grpcclient.InferInput(name, list(q.shape), "FP32")
+        tensor.set_data_from_numpy(q)
+        inputs.append(tensor)
+    outputs = [grpcclient.InferRequestedOutput("outputs")]
+    start = time.perf_counter()
+    result = client.infer("dot_product", inputs, outputs=outputs)
+    alone = time.perf_counter() - start
+    np.testing.assert_allclose(result.as_numpy("outputs")[0, :2], _attention(q[0, :2], q[0], q[0]), rtol=1e-4,
+                               atol=1e-5)
+    assert alone > 0.1, f"the slow call took {alone:.3f}s: too short to act during it"
+    return client, inputs, outputs, alone, q
+
+
+def _grpc_count(url, status, family="attend_requests_total"):
+    metrics = httpx.get(f"{url}/metrics").text
+    line = f'{family}{{model="dot_product",protocol="grpc",status="{status}"}} '
+    return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(line))
+
+
+def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository):
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20)) as (url, _):
+        client, inputs, outputs, alone, _ = _slow_call(port)
+        done = threading.Event()
+        call = client.async_infer("dot_product", inputs, lambda result, error: done.set(), outputs=outputs)
+        time.sleep(alone / 3)
+        call.cancel()
+        assert done.wait(10)
+        deadline = time.monotonic() + 10  # the server learns of it from the stream's reset
+        while _grpc_count(url, 499) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _grpc_count(url, 499) == 1
+        assert 'attend_client_gone_total{model="dot_product"} 1.0' in httpx.get(f"{url}/metrics").text
+        # The service's own deadline, asked for in metadata: the call ends while its batch runs.
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("dot_product", inputs, outputs=outputs, headers={"x-request-timeout-ms": "30"})
+        assert error.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "deadline passed" in error.value.message()
+        assert _grpc_count(url, 504) == 1
+        stats = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]["inference_stats"]
+        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 1
 
 
 def test_sigterm_drains_a_call_in_flight(repository):
@@ -429,19 +487,7 @@ def test_sigterm_drains_a_call_in_flight(repository):
     port = free_port()
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20)) as (url, proc):
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        rng = np.random.default_rng(4)
-        q = rng.normal(size=(2, 2048, 64)).astype(np.float32)
-        inputs = []
-        for name, array in (("queries", q), ("keys", q), ("values", q)):
-            tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        outputs = [grpcclient.InferRequestedOutput("outputs")]
-        start = time.perf_counter()
-        client.infer("dot_product", inputs, outputs=outputs)
-        alone = time.perf_counter() - start
-        assert alone > 0.1, f"the slow call took {alone:.3f}s: too short to send SIGTERM during it"
+        client, inputs, outputs, alone, q = _slow_call(port)
         with ThreadPoolExecutor(1) as pool:
             call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
             time.sleep(alone / 3)
