@@ -17,9 +17,10 @@ statistics, errors as status codes (service.grpc.status).
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
     everything else                           UNIMPLEMENTED
 
-Transport limits: a message of at most ATTEND_MAX_BODY_BYTES (RESOURCE_EXHAUSTED past it, from grpc),
-at most ATTEND_MAX_CONNECTIONS calls at once (grpc's maximum_concurrent_rpcs: RESOURCE_EXHAUSTED past
-it, health calls included). A client that cancels, or goes away, is counted as HTTP counts it: 499.
+Transport limits (service.grpc.guard, as HTTP's connection guard): at most ATTEND_MAX_CONNECTIONS calls
+under way (UNAVAILABLE past it; health calls exempt), each call's message within ATTEND_BODY_TIMEOUT_S
+(DEADLINE_EXCEEDED) and of at most ATTEND_MAX_BODY_BYTES (RESOURCE_EXHAUSTED), ATTEND_MAX_OPEN_CONNECTIONS
+connections. A client that cancels, or goes away, is counted as HTTP counts it: 499.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from service.core.errors import ClientGone, DeadlineExceeded, ServiceError
 from service.core.logs import log_access, new_request_id, request_id
 from service.core.request import find_model
 from service.core.runtime import StartupError
-from service.grpc import codec
+from service.grpc import codec, guard
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.proto import model_config_pb2
@@ -342,13 +343,11 @@ class GRPCServer:
     async def start(self, dataplane: Dataplane) -> None:
         settings = self.settings
         self.loop = asyncio.get_running_loop()
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", -1),  # the answers' size is bounded by the request limits
-            ("grpc.so_reuseport", int(self.shared_port)),
-        ], maximum_concurrent_rpcs=settings.max_connections)
+        server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
+                                                       self.shared_port))
         servicer = Servicer(dataplane, settings, self.version)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+        calls = guard.CallGuard(settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals)
+        calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
         try:
             port = server.add_insecure_port(self.address)
         except RuntimeError as e:

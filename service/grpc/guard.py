@@ -1,0 +1,135 @@
+"""What the HTTP connection guard (service.http.protocol) bounds before the app, bounded for gRPC: the calls
+under way, a message that does not come, connections and streams.
+
+grpc reads a unary call's whole message before its handler runs, and its own bound on calls
+(`maximum_concurrent_rpcs`) counts a call from its first frame: streams that announce a message and then
+stall held every slot for as long as their connections stayed open, and no call was served meanwhile.
+So every method is registered here as a client-streaming one (the same bytes on the wire: a unary
+request is a stream of one message): the handler runs when the call begins, is counted, reads the one
+message within ATTEND_BODY_TIMEOUT_S, deserializes it as grpc would have, and hands it to the servicer's
+method. gRPC shows no part of a message before the whole of it, so there is no rate to check as HTTP
+does: the whole message must be in by then.
+
+    calls under way       at most ATTEND_MAX_CONNECTIONS (ServerLive and ServerReady exempt, as HTTP's
+                          health probes): UNAVAILABLE with retry-after 1, attend_refused{reason="connections"}
+    a message not in      within ATTEND_BODY_TIMEOUT_S: DEADLINE_EXCEEDED (HTTP's 408),
+                          attend_refused{reason="body_timeout"}
+    a message too large   over ATTEND_MAX_BODY_BYTES: RESOURCE_EXHAUSTED (grpc's own check, as it arrives)
+    connections           ATTEND_MAX_OPEN_CONNECTIONS (grpc.max_allowed_incoming_connections: closed at accept)
+    calls not yet taken   ATTEND_MAX_OPEN_CONNECTIONS, then grpc drops calls at random until twice that
+                          (CANCELLED, grpc's own early drop): a flood past what the event loop takes
+
+A connection's streams are not limited apart (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS): a client that opened
+more before the setting reached it had them reset, an UNAVAILABLE that said nothing of why; past the calls'
+bound each gets the message above at once, and its stream is closed. As with HTTP's connection guard, a
+client may hold ATTEND_MAX_CONNECTIONS calls with messages that never come for ATTEND_BODY_TIMEOUT_S each;
+then they are ended, and the memory a stalled call holds is what it sent (grpc's flow control).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from service.core.errors import InvalidRequest, Overloaded, RequestTimeout, ServiceError
+from service.core.logs import log_access
+from service.grpc.status import code_of, details_of, metadata_of
+
+HEALTH = frozenset({"ServerLive", "ServerReady"})
+
+
+def options(max_body_bytes: int, max_open_connections: int, shared_port: bool) -> list[tuple[str, int]]:
+    """grpc's server options for the limits above."""
+    return [
+        ("grpc.max_receive_message_length", max_body_bytes),
+        ("grpc.max_send_message_length", -1),  # the answers' size is bounded by the request limits
+        ("grpc.max_allowed_incoming_connections", max_open_connections),
+        # Calls come in faster than the event loop takes them: past 1000 waiting (grpc's default), grpc drops
+        # some at random, CANCELLED with no word of why; the guard answers them instead, at once.
+        ("grpc.server.max_pending_requests", max_open_connections),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * max_open_connections),
+        ("grpc.so_reuseport", int(shared_port)),
+    ]
+
+
+class Handlers:
+    """Stands in for the server in the generated `add_GRPCInferenceServiceServicer_to_server`: takes the
+    method handlers it would register, so that they can be registered guarded."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers as below, looked up by name
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+class CallGuard:
+    """Counts the calls under way and reads each one's message within the time allowed."""
+
+    def __init__(self, max_calls: int, message_timeout_s: float, refusals: Mapping[str, Any]):
+        self.max_calls = max_calls
+        self.message_timeout_s = message_timeout_s
+        self.refusals = refusals
+        self.calls = 0
+
+    def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
+        taken = Handlers()
+        add_servicer(servicer, taken)
+        guarded = {name: self.guarded(name, handler) for name, handler in taken.handlers.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, guarded),))
+        server.add_registered_method_handlers(taken.service, guarded)
+
+    def guarded(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if handler.request_streaming or handler.response_streaming:
+            return handler  # ModelStreamInfer: not served (UNIMPLEMENTED at once), so nothing to guard
+        behavior, deserialize = handler.unary_unary, handler.request_deserializer
+        exempt = name in HEALTH
+
+        async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not exempt and self.calls >= self.max_calls:
+                self._refused("connections")
+                await _abort(context, name, Overloaded(
+                    f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
+                    headers={"Retry-After": "1"}))
+            self.calls += 1
+            try:
+                try:
+                    message = await asyncio.wait_for(context.read(), self.message_timeout_s)
+                except TimeoutError:
+                    self._refused("body_timeout")
+                    await _abort(context, name, RequestTimeout(
+                        f"the call's message did not arrive within {self.message_timeout_s:g} s "
+                        "(ATTEND_BODY_TIMEOUT_S)"))
+                if message is grpc.aio.EOF:
+                    await _abort(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
+                try:
+                    request = deserialize(message)
+                except DecodeError:
+                    await _abort(context, name, InvalidRequest(
+                        f"{name}: the request message is not an inference.{name}Request"))
+                return await behavior(request, context)
+            finally:
+                self.calls -= 1
+
+        call.__name__ = name
+        return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
+                                                    response_serializer=handler.response_serializer)
+
+    def _refused(self, reason: str) -> None:
+        counter = self.refusals.get(reason)
+        if counter is not None:
+            counter.inc()
+
+
+async def _abort(context: grpc.aio.ServicerContext, name: str, error: ServiceError) -> None:
+    log_access("GRPC", name, error.status, 0.0)
+    await context.abort(code_of(error), details_of(error), metadata_of(error))
+    raise AssertionError("abort returned")  # it never does
