@@ -87,6 +87,7 @@ COPY export ./export
 COPY service ./service
 ENV ATTEND_HOST=0.0.0.0 \
     ATTEND_PORT=8000 \
+    ATTEND_GRPC_PORT=8001 \
     ATTEND_MODEL_REPOSITORY=/models \
     ATTEND_DEVICE=auto \
     ATTEND_WORKERS=1 \
@@ -94,7 +95,8 @@ ENV ATTEND_HOST=0.0.0.0 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
-EXPOSE 8000
+# HTTP (REST, /attend, the page, metrics) and gRPC (the Open Inference Protocol, grpc_service.proto).
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('ATTEND_PORT', '8000'), timeout=4)"]
 CMD ["python", "-m", "service"]

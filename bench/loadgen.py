@@ -5,11 +5,9 @@ request timed.
 
 "wrk" is wrk 4 (Debian's package, LuaJIT) with bench/pool.lua: one thread a connection, pinned to the
 load core, a body of the pool a request (mapped once, shared by the threads), every request's time
-from clock_gettime (no samples added for coordinated omission, which wrk's own histogram adds). A
-transport that is not HTTP/1.1 (gRPC) adds its own client here: a function of the same signature that
-sends the pool's bodies (bench/pools.py writes them, with that transport's encoder) and returns the
-same Point, e.g. a small grpc.aio or C++ client that reads NAME.pool/NAME.index and writes one
-latency a line.
+from clock_gettime (no samples added for coordinated omission, which wrk's own histogram adds).
+"grpc" is bench/grpc_load.py: one process a connection on the load core, the pool's serialized
+ModelInferRequests sent as bytes, every call timed the same way.
 """
 
 from __future__ import annotations
@@ -67,7 +65,13 @@ def wrk(port: int, index: Path, connections: int, seconds: float, load_cpu: int 
                  {k: summary[k] for k in ("connect", "read", "write", "timeout")})
 
 
-CLIENTS = {"wrk": wrk}
+def grpc(port: int, index: Path, connections: int, seconds: float, load_cpu: int | None = LOAD_CPU) -> Point:
+    from grpc_load import grpc_point
+
+    return grpc_point(port, index, connections, seconds, load_cpu)
+
+
+CLIENTS = {"wrk": wrk, "grpc": grpc}
 
 
 def measure(client: str, port: int, index: Path, connections: int, seconds: float,

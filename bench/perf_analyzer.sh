@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# perf_analyzer, Triton's load tool, against the service's Open Inference Protocol: W2 (dot_product,
-# 8 x 128 x 128 x 64, random 1-D valid lengths) with binary tensors, a concurrency sweep; with each point,
+# perf_analyzer, Triton's load tool, against the service's Open Inference Protocol, over HTTP (binary
+# tensors) or gRPC (raw contents, --protocol grpc): W2 (dot_product, 8 x 128 x 128 x 64, random 1-D valid
+# lengths), a concurrency sweep; with each point,
 # perf_analyzer's server-side breakdown (queue, compute input/infer/output), read from the service's
 # statistics extension (GET /v2/models/dot_product/stats).
 #
-#   bench/perf_analyzer.sh [--url http://HOST:PORT | --repository DIR] [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50]
-#                          [--max-memory-gb 16] [--max-trials 6] [--out FILE]
+#   bench/perf_analyzer.sh [--protocol http|grpc] [--url http://HOST:PORT [--grpc-url HOST:PORT] | --repository DIR]
+#                          [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50] [--max-memory-gb 16]
+#                          [--max-trials 6] [--out FILE]
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
 # as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
@@ -34,9 +36,13 @@ STABILITY=50
 MAX_MEMORY_GB=16
 MAX_TRIALS=6
 OUT=""
+PROTOCOL=http
+GRPC_URL=""
 while [ $# -gt 0 ]; do
     case $1 in
         --url) URL=$2; shift 2 ;;
+        --protocol) PROTOCOL=$2; shift 2 ;;
+        --grpc-url) GRPC_URL=$2; shift 2 ;;
         --repository) REPOSITORY=$2; shift 2 ;;
         --concurrency) CONCURRENCY=$2; shift 2 ;;
         --seconds) SECONDS_PER_POINT=$2; shift 2 ;;
@@ -47,6 +53,14 @@ while [ $# -gt 0 ]; do
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
+
+case $PROTOCOL in
+    http|grpc) ;;
+    *) echo "--protocol is http or grpc, not $PROTOCOL" >&2; exit 2 ;;
+esac
+if [ "$PROTOCOL" = grpc ] && [ -n "$URL" ] && [ -z "$GRPC_URL" ]; then
+    echo "--protocol grpc with --url needs --grpc-url HOST:PORT (the service's ATTEND_GRPC_PORT)" >&2; exit 2
+fi
 
 # ------------------------------------------------------------------ the tool: wheel + Debian 13 runtime
 if [ ! -x "$TOOLS/perf_analyzer" ] || [ ! -e "$TOOLS/root/usr/lib64/ld-linux-x86-64.so.2" ]; then
@@ -98,7 +112,9 @@ EOF
 if [ -z "$URL" ]; then
     PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     [ -d "$REPOSITORY" ] || "$PYTHON" -m export --repository "$REPOSITORY" >&2
-    ATTEND_PORT=$PORT ATTEND_MODEL_REPOSITORY=$REPOSITORY ATTEND_DEVICE=cpu ATTEND_INTRA_OP_THREADS=1 \
+    GRPC_PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    GRPC_URL=127.0.0.1:$GRPC_PORT
+    ATTEND_PORT=$PORT ATTEND_GRPC_PORT=$GRPC_PORT ATTEND_MODEL_REPOSITORY=$REPOSITORY ATTEND_DEVICE=cpu ATTEND_INTRA_OP_THREADS=1 \
         ATTEND_LOG_LEVEL=warning taskset -c 0 "$PYTHON" -m service 2>"$RUN/service.log" &
     SERVICE_PID=$!
     URL=http://127.0.0.1:$PORT
@@ -110,6 +126,11 @@ if [ -z "$URL" ]; then
 fi
 
 # ------------------------------------------------------------------ the sweep
+if [ "$PROTOCOL" = grpc ]; then  # tensors as raw_input_contents, outputs as raw_output_contents
+    TARGET=(-u "$GRPC_URL" -i grpc)
+else
+    TARGET=(-u "${URL#http://}" -i http --input-tensor-format binary --output-tensor-format binary)
+fi
 SERVER=""
 TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p99 ms |
 | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -118,8 +139,7 @@ TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p
 for c in $CONCURRENCY; do
     status=0
     taskset -c 1 "$TOOLS/root/usr/lib64/ld-linux-x86-64.so.2" --library-path "$LIBS" "$TOOLS/perf_analyzer" \
-        -m dot_product -u "${URL#http://}" -i http -b 8 --input-data "$RUN/data.json" \
-        --input-tensor-format binary --output-tensor-format binary \
+        -m dot_product "${TARGET[@]}" -b 8 --input-data "$RUN/data.json" \
         --shape queries:128,64 --shape keys:128,64 --shape values:128,64 --shape valid_lens:128 \
         --concurrency-range "$c:$c" --measurement-interval "$((SECONDS_PER_POINT * 1000))" --max-trials "$MAX_TRIALS" \
         --stability-percentage "$STABILITY" -f "$RUN/c$c.csv" >"$RUN/c$c.log" 2>&1 &
@@ -159,8 +179,9 @@ print(f"| {row['Concurrency']} | {inferences / 8:.0f} | {inferences:.0f} | {ms['
 EOF
 )
 done
-COMMAND="bench/perf_analyzer.sh --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
-TEXT="perf_analyzer $VERSION (\`-i http -b 8\`, binary tensors in and out, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
+COMMAND="bench/perf_analyzer.sh --protocol $PROTOCOL --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
+if [ "$PROTOCOL" = grpc ]; then TENSORS="raw contents in and out"; else TENSORS="binary tensors in and out"; fi
+TEXT="perf_analyzer $VERSION (\`-i $PROTOCOL -b 8\`, $TENSORS, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
 
 $TABLE
 

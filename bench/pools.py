@@ -10,9 +10,9 @@ request after the first takes the service's cached decode plan, and every batch 
 
 Rows of the benchmark are (workload, transport): `ROWS`. A transport turns a body (a dict of /attend's
 fields) into (path, bytes, header length) and names the client that sends it (`client`: "wrk", the
-HTTP/1.1 load generator of bench/pool.lua). A gRPC transport would add an encoder (the body as
-tritonclient.grpc's ModelInferRequest, raw contents) and a client of its own that reads the same kind
-of pool file and writes the same per-request times (see bench/loadgen.py).
+HTTP/1.1 load generator of bench/pool.lua, or "grpc", bench/grpc_load.py's processes). The gRPC transport
+writes each body as Triton's `ModelInferRequest` (tritonclient.grpc's own message, its tensors as
+`raw_input_contents`), serialized once, here: the load generator sends bytes.
 """
 
 from __future__ import annotations
@@ -171,6 +171,22 @@ def v2_binary(body: Body) -> tuple[str, bytes, int]:
     return f"/v2/models/{body['model']}/infer", head + b"".join(blobs), len(head)
 
 
+def grpc_raw(body: Body) -> tuple[str, bytes, int]:
+    """The body as a serialized `ModelInferRequest` (tritonclient.grpc's protobuf message): float32 tensors
+    and int64 valid lengths as `raw_input_contents`, every output asked for (as /attend answers outputs and
+    weights by default): (model, bytes, 0)."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=body["model"])
+    for name in ("queries", "keys", "values", "scores", "valid_lens"):
+        if name not in body:
+            continue
+        array = np.array(body[name], dtype=np.int64 if name == "valid_lens" else np.float32)
+        request.inputs.add(name=name, datatype="INT64" if name == "valid_lens" else "FP32", shape=array.shape)
+        request.raw_input_contents.append(array.tobytes())
+    return body["model"], request.SerializeToString(), 0
+
+
 @dataclass(frozen=True)
 class Transport:
     name: str
@@ -178,17 +194,25 @@ class Transport:
     encode: Callable[[Body], tuple[str, bytes, int]]
     client: str  # the load generator that sends it (bench/loadgen.py's CLIENTS)
     plain: bool  # whether bench/plain_server.py speaks it
+    http: bool = True  # its pool holds whole HTTP/1.1 requests (else the encoded bytes alone)
 
 
 TRANSPORTS = {t.name: t for t in [
     Transport("json", "POST /attend, JSON", attend_json, "wrk", True),
     Transport("v2-binary", "POST /v2/models/NAME/infer, binary tensors (Open Inference Protocol)", v2_binary,
               "wrk", False),
+    Transport("grpc", "gRPC ModelInfer, raw_input_contents (Open Inference Protocol)", grpc_raw, "grpc", False,
+              http=False),
 ]}
 
 # The rows of the benchmark: name -> (workload, transport).
-ROWS = {name: (name, "json") for name in WORKLOADS} | {"W2bin": ("W2", "v2-binary")}
-DEFAULT_ROWS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W2bin", "W1r", "W2r", "W3r")
+ROWS = {name: (name, "json") for name in WORKLOADS} | {"W2bin": ("W2", "v2-binary"), "W1grpc": ("W1", "grpc"),
+                                                       "W2grpc": ("W2", "grpc")}
+DEFAULT_ROWS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W2bin", "W1grpc", "W2grpc", "W1r", "W2r", "W3r")
+# Front doors compared within the service, in the same run: row -> the row it is weighed against (the
+# issue's bar: W2 through gRPC at least as fast as through HTTP binary; W1 through gRPC at least as fast as
+# POST /attend JSON).
+FRONT_DOORS = {"W1grpc": "W1", "W2grpc": "W2bin"}
 
 
 def http_request(path: str, content: bytes, header_length: int) -> bytes:
@@ -199,14 +223,15 @@ def http_request(path: str, content: bytes, header_length: int) -> bytes:
     return head.encode() + b"\r\n\r\n" + content
 
 
-def write_pool(folder: Path, name: str, encoded: list[tuple[str, bytes, int]]) -> Path:
-    """The pool files bench/pool.lua reads: NAME.pool (whole HTTP requests end to end) and NAME.index
-    (the pool file's name, then "offset length" a request). Returns the index."""
+def write_pool(folder: Path, name: str, encoded: list[tuple[str, bytes, int]], http: bool = True) -> Path:
+    """The pool files bench/pool.lua (and bench/grpc_load.py) read: NAME.pool (whole HTTP requests end to
+    end, or with `http` false the encoded messages alone) and NAME.index (the pool file's name, then
+    "offset length" a request). Returns the index."""
     data, index = folder / f"{name}.pool", folder / f"{name}.index"
     lines, offset = [str(data)], 0
     with data.open("wb") as out:
         for path, content, header_length in encoded:
-            raw = http_request(path, content, header_length)
+            raw = http_request(path, content, header_length) if http else content
             out.write(raw)
             lines.append(f"{offset} {len(raw)}")
             offset += len(raw)
@@ -224,6 +249,6 @@ def make_pools(folder: Path, rows: list[str], seed: int = SEED) -> dict[str, dic
         if workload not in made:
             made[workload] = WORKLOADS[workload].bodies(seed)
         encoded = [TRANSPORTS[transport].encode(body) for body in made[workload]]
-        pools[row] = {"index": write_pool(folder, row, encoded), "bodies": len(encoded),
+        pools[row] = {"index": write_pool(folder, row, encoded, TRANSPORTS[transport].http), "bodies": len(encoded),
                       "median_bytes": int(np.median([len(e[1]) for e in encoded]))}
     return pools

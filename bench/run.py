@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from loadgen import LOAD_CPU, measure  # noqa: E402
-from pools import DEFAULT_ROWS, ROWS, SEED, TRANSPORTS, WORKLOADS, make_pools, v2_binary  # noqa: E402
+from pools import DEFAULT_ROWS, FRONT_DOORS, ROWS, SEED, TRANSPORTS, WORKLOADS, make_pools, v2_binary  # noqa: E402
 
 from tests.load.report import write_section  # noqa: E402
-from tests.server import running_service  # noqa: E402
+from tests.server import free_port, running_service  # noqa: E402
 
 SERVER_CPU = 0
 PIN = ("taskset", "-c", str(SERVER_CPU))
@@ -72,13 +72,15 @@ def service_env(batching: bool, extra: dict[str, str]) -> dict[str, str]:
 PLAIN = (sys.executable, "-m", "uvicorn", "bench.plain_server:app", "--port", "{port}", "--log-level", "warning")
 
 
-def server(kind: str, repository: Path, extra: dict[str, str]):
+def server(kind: str, repository: Path, extra: dict[str, str], grpc_port: int = 0):
     """A server to measure, started the same way for each kind: pinned to the server core, a fresh
-    process. `kind` is "plain" (bench/plain_server.py), "on" or "off" (the service, batching on/off)."""
+    process. `kind` is "plain" (bench/plain_server.py), "on" or "off" (the service, batching on/off);
+    the service's gRPC server listens on `grpc_port` (0: off)."""
     if kind == "plain":
         return running_service(repository, prefix=PIN, command=PLAIN, ready_path="/docs",
                                PLAIN_REPOSITORY=str(repository))
-    return running_service(repository, prefix=PIN, **service_env(kind == "on", extra))
+    return running_service(repository, prefix=PIN,
+                           **service_env(kind == "on", {"ATTEND_GRPC_PORT": str(grpc_port), **extra}))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -145,8 +147,9 @@ def run(args: argparse.Namespace) -> dict:
         with contextlib.ExitStack() as stack:
             running = {}
             for name in servers:  # every server up for the whole run, each pinned to the server core
-                url, proc = stack.enter_context(server(SERVERS[name], args.repository, extra))
-                running[name] = (int(url.rsplit(":", 1)[1]), proc)
+                grpc_port = free_port() if name != "plain" else 0
+                url, proc = stack.enter_context(server(SERVERS[name], args.repository, extra, grpc_port))
+                running[name] = ({"wrk": int(url.rsplit(":", 1)[1]), "grpc": grpc_port}, proc)
             for rnd in range(args.rounds):
                 for row in rows:
                     transport = TRANSPORTS[ROWS[row][1]]
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> dict:
                         for name in order:
                             if name == "plain" and not transport.plain:
                                 continue
-                            port, proc = running[name]
+                            ports, proc = running[name]
+                            port = ports[transport.client]
                             print(f"[{rnd + 1}/{args.rounds}] {row} c={c} {name} ...", file=sys.stderr)
                             index = pools[row]["index"]
                             if args.warmup > 0 and rnd == 0:  # the first round warms each server up
@@ -222,6 +226,29 @@ def summarise(results: dict) -> list[dict]:
     return out
 
 
+def front_doors(results: dict) -> list[dict]:
+    """The service through one front door against another (pools.FRONT_DOORS), for each concurrency: the
+    median of the per-round ratios of throughput and of p99, both rows measured in the same round."""
+    rounds: dict[tuple, dict] = {}
+    for p in results["points"]:
+        if p["server"] == "service":
+            rounds.setdefault((p["row"], p["concurrency"]), {})[p["round"]] = p
+    out = []
+    for row, against in FRONT_DOORS.items():
+        if row not in results["rows"] or against not in results["rows"]:
+            continue
+        for c in results["settings"]["concurrency"]:
+            mine, theirs = rounds.get((row, c), {}), rounds.get((against, c), {})
+            paired = [(mine[n], theirs[n]) for n in sorted(mine) if n in theirs and mine[n]["requests"]
+                      and theirs[n]["requests"]]
+            if paired:
+                out.append({"row": row, "against": against, "concurrency": c,
+                            "x": _median([a["rps"] / b["rps"] for a, b in paired]),
+                            "rounds": [round(a["rps"] / b["rps"], 2) for a, b in paired],
+                            "p99_x": _median([a["p99_ms"] / b["p99_ms"] for a, b in paired])})
+    return out
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or value != value else format(value, spec)
 
@@ -275,7 +302,8 @@ def render(results: dict) -> tuple[list[str], list[str]]:
               + ("" if info["transport"] == "json" else f"; sent as {info['transport_text']}")
               for row, info in results["rows"].items()]
     method = (f"Each server pinned to core {settings['server_cpu']} with one ONNX Runtime thread, both up for the "
-              f"whole run; the load generator (wrk with bench/pool.lua, one thread a connection) on core "
+              f"whole run; the load generator (wrk with bench/pool.lua, one thread a connection; for gRPC rows "
+              f"bench/grpc_load.py, one process a connection) on core "
               f"{settings['load_cpu']}, a different body of the row's pool a request, each request timed. "
               f"{settings['rounds']} rounds, the servers alternating point by point (the order swapped every "
               f"other round); {settings['duration_s']:g} s a point, after {settings['warmup_s']:g} s of warm-up in the "
@@ -285,6 +313,12 @@ def render(results: dict) -> tuple[list[str], list[str]]:
               "p99 x plain below 1 is a shorter tail than the plain server's. CPU us / req: the server "
               "process's user + system time over the point, a request. The run took "
               f"{results['minutes']:g} min.")
+    doors = front_doors(results)
+    door_lines = ["| row | against | c | req/s x | per round | p99 x |", "| --- | --- | ---: | ---: | --- | ---: |"]
+    door_lines += [f"| {d['row']} | {d['against']} | {d['concurrency']} | {d['x']:.2f}x | "
+                   + " ".join(f"{x:.2f}" for x in d["rounds"]) + f" | {d['p99_x']:.2f}x |" for d in doors]
+    doors_part = ["The service through gRPC against HTTP, in this run (throughput and p99 of the first row as "
+                  "multiples of the second's; per round paired):", "", *door_lines, ""] if doors else []
     section = [method, "", *legend, "",
                "- plain: bench/plain_server.py, the ~50-line FastAPI server a user could write instead (orjson, "
                "NumPy, the same ONNX models, no checks, no batching); a row the plain server does not speak "
@@ -292,9 +326,11 @@ def render(results: dict) -> tuple[list[str], list[str]]:
                "- service: `python -m service` at its defaults (access log on)"
                + ("; service-nobatch: the same with `ATTEND_BATCHING=false`" if "service-nobatch" in servers else ""),
                "", "The service's throughput and p99 as multiples of the plain server's:", "", *ratios, "",
+               *doors_part,
                "Every server, medians over the rounds:", "", *lines]
     readme = ["The service's throughput and p99 latency as multiples of the plain server's (medians over "
-              f"{settings['rounds']} rounds; docs/benchmarks.md has the whole table):", "", *ratios]
+              f"{settings['rounds']} rounds; docs/benchmarks.md has the whole table):", "", *ratios,
+              *([""] + doors_part[:-1] if doors else [])]
     return section, readme
 
 

@@ -101,8 +101,9 @@ class Settings(BaseSettings):
     # Bodies up to this size are decoded on the event loop (simdjson: ~1 ms a MB); a thread hop (65-90 us)
     # costs more than their parse. Larger ones go to a decode thread, so the loop keeps serving meanwhile.
     inline_decode_bytes: int = Field(1024 * 1024, ge=0)
-    # Batches whose session run is predicted (from the runs of the same model and length bucket so far)
-    # to take less than this run on the event loop; longer ones on an inference thread.
+    # Batches whose session run is predicted (the model's cost: its warm-up runs, then its runs so far;
+    # service.core.batching.RunCost) to take less than this run on the event loop; longer ones on an
+    # inference thread.
     inline_run_us: int = Field(1000, ge=0)
     # ... and a request alone in the server (nothing to overlap its run with) when under this.
     alone_inline_run_us: int = Field(5000, ge=0)
@@ -153,7 +154,8 @@ class Settings(BaseSettings):
 # compose's published port and base image, the container and deploy checks). Any other ATTEND_* variable
 # is a mistake, and the service refuses to start with it (a typo would otherwise leave a setting unset:
 # ATTEND_API_KEY=... serving with no key at all).
-TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE", "ATTEND_SKIP_BROWSER",
+TOOL_VARIABLES = frozenset({"ATTEND_PUBLISH", "ATTEND_PUBLISH_GRPC", "ATTEND_BASE_IMAGE", "ATTEND_IMAGE",
+                            "ATTEND_SKIP_BROWSER",
                             "ATTEND_CHROMIUM", "ATTEND_SCREENSHOTS", "ATTEND_TOOLS", "ATTEND_DEPLOY_TOOLS",
                             "ATTEND_DOCKER_STATE"})
 

@@ -238,27 +238,32 @@ def _check_signature(model: LoadedModel) -> None:
         )
 
 
-# The warm-up's sizes: a small request (the book's examples' size), and one some hundred times its elements.
+# The warm-up's sizes: a small request (the book's examples' size), and one with a few hundred times its
+# elements (a run several times as long: its difference from the small one is not lost in a loaded
+# machine's noise).
 _WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8},
-               {"batch": 8, "n_q": 16, "n_k": 16, "n": 16, "d": 32, "value_size": 32})
-_TIMED_RUNS = 5
+               {"batch": 16, "n_q": 32, "n_k": 32, "n": 32, "d": 32, "value_size": 32})
+_TIMED_RUNS = 7
 
 
 def warm_up(model: LoadedModel) -> None:
     """Runs on a small and a larger input, so the first client does not pay for allocation; then each
-    timed a few times (the fastest kept, in `model.run_times`), for the batcher to know from the
-    first request what a run of this model costs (~10 ms a model)."""
+    timed a few times, the two in turn (a burst of load slows both), the fastest of each kept in
+    `model.run_times`: for the batcher to know from the first request what a run of this model costs
+    (a few ms a model)."""
     rng = np.random.default_rng(0)
-    for sizes in _WARM_SIZES:
-        feed = example_feed(model.kind, model.config.hyperparameters, sizes, rng)
+    feeds = [example_feed(model.kind, model.config.hyperparameters, sizes, rng) for sizes in _WARM_SIZES]
+    elements = []
+    for feed in feeds:
         outputs = model.run(feed)
-        fastest = float("inf")
-        for _ in range(_TIMED_RUNS):
+        elements.append(sum(a.size for a in feed.values()) + sum(a.size for a in outputs.values()))
+    fastest = [float("inf")] * len(feeds)
+    for _ in range(_TIMED_RUNS):
+        for i, feed in enumerate(feeds):
             start = time.perf_counter()
             model.run(feed)
-            fastest = min(fastest, time.perf_counter() - start)
-        elements = sum(a.size for a in feed.values()) + sum(a.size for a in outputs.values())
-        model.run_times.append((elements, fastest))
+            fastest[i] = min(fastest[i], time.perf_counter() - start)
+    model.run_times.extend(zip(elements, fastest, strict=True))
 
 
 def _session_options(intra_op_threads: int) -> ort.SessionOptions:

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from tests.server import ROOT, running_service, uvicorn_in_thread
+from tests.server import ROOT, free_port, running_service, uvicorn_in_thread
 
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -140,12 +140,42 @@ def test_the_service_answers_each_pool_under_the_load_generator(tmp_path, reposi
     made = {"W4": pools.write_pool(tmp_path, "W4", [pools.attend_json(b) for b in bodies]),
             "W4bin": pools.write_pool(tmp_path, "W4bin", [pools.v2_binary(b) for b in bodies]),
             "W3r": pools.make_pools(tmp_path, ["W3r"])["W3r"]["index"]}
-    with running_service(repository, ATTEND_INTRA_OP_THREADS="1") as (url, _):
+    grpc_index = pools.write_pool(tmp_path, "W4grpc", [pools.grpc_raw(b) for b in bodies], http=False)
+    grpc_port = free_port()
+    with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_GRPC_PORT=str(grpc_port)) as (url, _):
         port = int(url.rsplit(":", 1)[1])
         for name, index in made.items():
             point = loadgen.measure("wrk", port, index, 2, 1, load_cpu=None)
             assert point.ok, (name, point.failed, point.statuses, point.errors)
             assert point.requests > 5
+        point = loadgen.measure("grpc", grpc_port, grpc_index, 2, 1, load_cpu=None)
+        assert point.ok, ("W4grpc", point.failed, point.statuses, point.errors)
+        assert point.requests > 5 and len(point.latencies_us) == point.requests and point.percentile(99) > 0
+        # A pool of bodies the service refuses (an unknown model) is counted as failed, by status.
+        refused = pools.write_pool(tmp_path, "bad", [pools.grpc_raw(b | {"model": "nope"}) for b in bodies[:4]],
+                                   http=False)
+        point = loadgen.measure("grpc", grpc_port, refused, 1, 1, load_cpu=None)
+        assert not point.ok and point.requests == 0 and point.failed > 0 and set(point.statuses) == {"NOT_FOUND"}
+
+
+def test_grpc_pool_holds_each_body_as_a_model_infer_request(tmp_path):
+    from tritonclient.grpc import service_pb2
+
+    bodies = pools.WORKLOADS["W1"].bodies(count=8)
+    index = pools.write_pool(tmp_path, "W1grpc", [pools.grpc_raw(b) for b in bodies], http=False)
+    import grpc_load
+
+    messages = grpc_load.read_pool(index)
+    assert len(messages) == 8
+    for body, raw in zip(bodies, messages, strict=True):
+        request = service_pb2.ModelInferRequest.FromString(raw)
+        assert request.model_name == "additive"
+        names = [t.name for t in request.inputs]
+        assert names == [n for n in ("queries", "keys", "values", "valid_lens") if n in body]
+        for tensor, content in zip(request.inputs, request.raw_input_contents, strict=True):
+            expected = np.array(body[tensor.name], dtype=np.int64 if tensor.name == "valid_lens" else np.float32)
+            assert list(tensor.shape) == list(expected.shape)
+            assert content == expected.tobytes()
 
 
 def results() -> dict:
@@ -197,5 +227,31 @@ def test_the_report_rewrites_the_marked_sections_from_the_results_file(tmp_path)
     # Again: the sections are replaced, not appended to.
     run.report(results(), docs, readme)
     assert docs.read_text().count("<!-- bench -->") == 1 and readme.read_text().count("| W1:") == 1
+    # gRPC against HTTP in the same run: none here, so no such table.
+    assert "through gRPC" not in text
+
+
+def test_the_report_weighs_grpc_against_http_in_the_same_run():
+    data = results()
+    for p in [p for p in data["points"] if p["row"] in ("W1", "W2bin") and p["server"] == "service"]:
+        row = "W1grpc" if p["row"] == "W1" else "W2grpc"
+        data["points"].append(p | {"row": row, "rps": p["rps"] * (1.25 if row == "W1grpc" else 0.9),
+                                   "p99_ms": 2.0})
+    for row in ("W1grpc", "W2grpc"):
+        data["rows"][row] = data["rows"]["W1"] | {"workload": row[:2], "transport": "grpc",
+                                                  "transport_text": pools.TRANSPORTS["grpc"].text}
+    section, short = run.render(data)
+    doors = [line for line in section if line.startswith("| W1grpc | W1 |") or line.startswith("| W2grpc | W2bin |")]
+    assert doors == ["| W1grpc | W1 | 1 | 1.25x | 1.25 1.25 1.25 | 0.50x |",
+                     "| W1grpc | W1 | 16 | 1.25x | 1.25 1.25 1.25 | 0.50x |",
+                     "| W2grpc | W2bin | 1 | 0.90x | 0.90 0.90 0.90 | 0.50x |",
+                     "| W2grpc | W2bin | 16 | 0.90x | 0.90 0.90 0.90 | 0.50x |"]
+    assert any(line.startswith("| W2grpc | W2bin | 16 | 0.90x") for line in short)
+    # The plain server does not speak gRPC: the rows' ratios are to its JSON row of the same workload.
+    assert next(e for e in run.summarise(data) if e["row"] == "W2grpc")["plain_row"] == "W2"
+
+
+def test_report_needs_marked_sections(tmp_path):
+    (tmp_path / "results.json").write_text("{}")
     with pytest.raises(SystemExit, match="no section"):
         run.report(results(), tmp_path / "results.json", None)

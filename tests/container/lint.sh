@@ -41,7 +41,7 @@ compose_config() {  # compose_config EXPECT(gpu|cpu) FILES... [--profile P]
     local expect=$1
     shift
     local json
-    json=$(env -u ATTEND_BASE_IMAGE -u ATTEND_PUBLISH -u PROMETHEUS_PUBLISH -u ATTEND_DEVICE \
+    json=$(env -u ATTEND_BASE_IMAGE -u ATTEND_PUBLISH -u ATTEND_PUBLISH_GRPC -u PROMETHEUS_PUBLISH -u ATTEND_DEVICE \
            -u COMPOSE_FILE -u COMPOSE_PROFILES \
            "$TOOLS/bin/docker-compose" "$@" config --format json) || return 1
     python3 - "$expect" "$json" <<'EOF'
@@ -60,6 +60,11 @@ if expect == "cpu" and api["environment"].get("ATTEND_DEVICE") != "cpu":
 for key in ("healthcheck", "restart", "stop_grace_period", "ports"):
     if key not in api:
         problems.append(f"api has no {key}")
+published = sorted((p.get("host_ip"), p.get("published"), p.get("target")) for p in api.get("ports", []))
+if published != [("127.0.0.1", "8000", 8000), ("127.0.0.1", "8001", 8001)]:
+    problems.append(f"api is not published on 127.0.0.1:8000 (HTTP) and 127.0.0.1:8001 (gRPC) by default: {published}")
+if api["environment"].get("ATTEND_GRPC_PORT") != "8001":
+    problems.append("api does not set ATTEND_GRPC_PORT to the 8001 it publishes")
 if "locust" in config["services"]:
     locust = config["services"]["locust"]
     command = " ".join(locust.get("command", []))

@@ -9,7 +9,8 @@
 #   3. makes the base image locally when absent: debootstrap --variant=minbase bookworm (with
 #      python3, venv, ca-certificates, and this machine's extra CAs trusted) | docker import
 #   4. docker compose (CPU variant) build, up -d --wait; a real POST /attend with the book's toy
-#      example; the monitoring profile (Prometheus) up -d --build --wait on a free loopback port; the
+#      example, and the same through gRPC (tritonclient.grpc) on the published gRPC port; the
+#      monitoring profile (Prometheus) up -d --build --wait on a free loopback port; the
 #      loadtest profile (locust, bounded, headless) must end with no failure; then, from the host,
 #      Prometheus' HTTP API must show the attend target up, the rule groups of
 #      deploy/prometheus/alerts.yml loaded, and a query answering with the service's series; a
@@ -208,6 +209,8 @@ phase "up --wait (healthy)"
 # Publish on a free loopback port: 8000 may be a developer's own server.
 port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 export ATTEND_PUBLISH=127.0.0.1:$port
+grpc_port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+export ATTEND_PUBLISH_GRPC=127.0.0.1:$grpc_port
 STACK_UP=1
 "$COMPOSE" up -d --wait --wait-timeout 300 >"$LOGS/up.log" 2>&1 || { cat "$LOGS/up.log" >&2; exit 1; }
 "$COMPOSE" ps --format '  {{.Name}} {{.Status}} {{.Ports}}'
@@ -233,6 +236,32 @@ print(f"  model {body['model']}: outputs {outputs}")
 sys.exit(0 if ok else f"toy outputs {outputs} != {expected}")
 EOF
 provider=$(python3 -c "import json, urllib.request as u; print(json.load(u.urlopen('http://127.0.0.1:$port/models/additive', timeout=10))['provider'])")
+
+# ------------------------------------------------------------------------------ 6b. gRPC ModelInfer (toy)
+phase "gRPC ModelInfer (toy), through the published 8001"
+# Triton's own client, at the lock's version, in the tools venv (not the project's: this script needs none).
+"$TOOLS/bin/pip" install -q -c requirements.lock "tritonclient[grpc]" >>"$LOGS/pip.log" 2>&1 \
+    || { tail -n 20 "$LOGS/pip.log" >&2; exit 1; }
+"$TOOLS/bin/python" - "$grpc_port" "$RUN/toy.json" <<'EOF'
+import json, sys
+import numpy as np
+import tritonclient.grpc as grpcclient
+port, path = sys.argv[1], sys.argv[2]
+toy = json.load(open(path))
+client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+assert client.is_server_live() and client.is_model_ready("additive"), "not live/ready over gRPC"
+inputs = []
+for name in ("queries", "keys", "values", "valid_lens"):
+    array = np.array(toy[name], dtype=np.int64 if name == "valid_lens" else np.float32)
+    tensor = grpcclient.InferInput(name, list(array.shape), "INT64" if name == "valid_lens" else "FP32")
+    tensor.set_data_from_numpy(array)
+    inputs.append(tensor)
+outputs = client.infer("additive", inputs).as_numpy("outputs")
+expected = np.array([[[2, 3, 4, 5]], [[10, 11, 12, 13]]], dtype=np.float32)
+print(f"  gRPC additive: outputs {outputs.tolist()}")
+sys.exit(0 if outputs.shape == expected.shape and np.allclose(outputs, expected, atol=1e-4)
+         else f"gRPC toy outputs {outputs.tolist()} != {expected.tolist()}")
+EOF
 echo "  additive runs on $provider"
 
 # ------------------------------------------------------------------------------ 7. prometheus up

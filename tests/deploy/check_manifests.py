@@ -99,6 +99,11 @@ def selects(selector: dict, labels: dict) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def grpc_port(env: dict[str, str]) -> int:
+    """The port the service's gRPC server listens on in a container with this environment; 0: off."""
+    return int(env.get("ATTEND_GRPC_PORT", 8001))
+
+
 def check_container(container: dict, pod_spec: dict, where: str, fields: set[str], *,
                     probes=("livenessProbe", "readinessProbe", "startupProbe")) -> list[str]:
     """What the service needs of its container, wherever it runs: listening beyond loopback on a declared
@@ -113,6 +118,10 @@ def check_container(container: dict, pod_spec: dict, where: str, fields: set[str
         problems.append(f"{where}: ATTEND_HOST must be 0.0.0.0 (the default listens on the pod's loopback only)")
     if listen not in ports.values():
         problems.append(f"{where}: no container port {listen} (ATTEND_PORT)")
+    grpc = grpc_port(env)
+    if grpc and grpc not in ports.values():
+        problems.append(f"{where}: gRPC listens on {grpc} (ATTEND_GRPC_PORT, default 8001) but no container port "
+                        f"declares it; declare it, or set ATTEND_GRPC_PORT to 0 to turn gRPC off")
     for name in probes:
         path = "/health/ready" if name == "readinessProbe" else "/health/live"
         get = container.get(name, {}).get("httpGet")
@@ -180,10 +189,12 @@ def check_deployment_file(name: str, docs: list[dict], fields: set[str]) -> list
                         f"({labels})")
     if not selects(deployment["spec"]["selector"]["matchLabels"], labels):
         problems.append(f"{where}: selector does not match its own pod labels")
+    served = {listen, grpc_port(env)} - {0}
     for port in service["spec"]["ports"]:
         target = port.get("targetPort", port["port"])
-        if ports.get(target, target) != listen:
-            problems.append(f"{name} Service: port {port['port']} goes to {target}, not to the service's {listen}")
+        if ports.get(target, target) not in served:
+            problems.append(f"{name} Service: port {port['port']} goes to {target}, not to one the service listens "
+                            f"on ({', '.join(map(str, sorted(served)))})")
     replicas = deployment["spec"].get("replicas", 1)
     hpa = by_kind.get("HorizontalPodAutoscaler")
     if hpa is not None:
@@ -247,6 +258,9 @@ def check_kserve(isvc: dict, fields: set[str]) -> list[str]:
         problems.append(f"{where}: {len(ports)} container ports; Knative serves exactly one")
     elif ports[0].get("name", "") not in ("", "http1", "h2c"):
         problems.append(f"{where}: port name {ports[0]['name']}: Knative allows only http1 or h2c")
+    if grpc_port(env_of(container)):
+        problems.append(f"{where}: ATTEND_GRPC_PORT is not 0: Knative routes the one port above, so gRPC would "
+                        f"listen where nothing reaches it (set it to 0)")
     for field in ("lifecycle", "startupProbe"):
         if field in container:
             problems.append(f"{where}: {field} is not in Knative's subset of a container (Serverless mode refuses it)")
@@ -342,6 +356,9 @@ def self_test() -> int:
 
     cases = [
         (typo, "readinesProbe"),
+        (lambda m: container(m)["ports"].pop(), "no container port declares it"),
+        (lambda m: doc(m, "attend.yaml", "Service")["spec"]["ports"][1].update(targetPort=9000),
+         "port 8001 goes to 9000"),
         (lambda m: container(m)["readinessProbe"]["httpGet"].update(path="/health"), "readinessProbe asks /health"),
         (lambda m: container(m)["env"].append({"name": "ATTEND_GRACE_PERIOD", "value": "30"}),
          "ATTEND_GRACE_PERIOD is not a setting"),
@@ -374,6 +391,8 @@ def self_test() -> int:
         (gpu_labels_as_cpu, "attend.yaml Service/attend: also selects attend-gpu.yaml's pods"),
         # KServe
         (kserve_typo, "minReplica"),
+        (lambda m: [e for e in predictor(m)["containers"][0]["env"] if e["name"] == "ATTEND_GRPC_PORT"][0].update(
+            value="8001"), "ATTEND_GRPC_PORT is not 0"),
         (lambda m: predictor(m)["containers"][0]["ports"][0].update(name="http"), "Knative allows only http1"),
         (lambda m: predictor(m)["containers"][0].update(lifecycle={"preStop": {"sleep": {"seconds": 5}}}),
          "lifecycle is not in Knative's subset"),

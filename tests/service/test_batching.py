@@ -641,7 +641,7 @@ async def _started(settings):
 
 
 def _status_count(app, model, status):
-    return app.state.dataplane.metrics.requests.labels(model, str(status))._value.get()
+    return app.state.dataplane.metrics.requests.labels(model, str(status), "http")._value.get()
 
 
 @contextlib.contextmanager

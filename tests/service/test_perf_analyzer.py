@@ -1,6 +1,6 @@
 """Triton's perf_analyzer (2.60, the binary itself, through Debian 13's loader) drives the service's
-Open Inference Protocol: a short sweep, the binary's exit status checked, a table of real numbers, and
-its server-side breakdown from the service's statistics extension."""
+Open Inference Protocol, over HTTP and over gRPC: a short sweep, the binary's exit status checked, a table
+of real numbers, and its server-side breakdown from the service's statistics extension."""
 
 import re
 import shutil
@@ -15,8 +15,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
                     reason="fetching Debian 13's libc needs apt-get and dpkg-deb")
-def test_perf_analyzer_runs_against_the_service(repository):
-    command = ["bash", "bench/perf_analyzer.sh", "--repository", str(repository), "--concurrency", "1 2",
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_runs_against_the_service(repository, protocol):
+    command = ["bash", "bench/perf_analyzer.sh", "--protocol", protocol, "--repository", str(repository),
+               "--concurrency", "1 2",
                # Windows of 1 s, 3 a point (the fewest its stabilisation can judge): perf_analyzer keeps
                # what it sends and receives (~1.6 MB a request), and in full test runs its concurrency-4
                # point ran on past 6 GB (both tries, twice, the last on the faster binary path) where
@@ -37,6 +39,7 @@ def test_perf_analyzer_runs_against_the_service(repository):
             break
         print(result.stdout[-1000:], result.stderr[-1000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"(`-i {protocol} -b 8`" in result.stdout, result.stdout[:500]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"], result.stdout
     assert all(int(r[1]) > 0 and int(r[2]) == pytest.approx(8 * int(r[1]), abs=8) for r in rows)
