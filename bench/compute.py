@@ -13,8 +13,9 @@ Runtime is counted without (an Identity on one float). Each is the median of its
 
 One core (os.sched_setaffinity), one thread (torch.set_num_threads(1), ORT intra_op_num_threads=1, NumPy's
 BLAS told so before it loads); random inputs, random valid lengths from 1 to n (rows of valid length 0 are
-checked apart, on a small case); the three runs alternate call by call, and a figure is the median of the
-repeats: as many as fit in about 2 s a point (0.5 s a part of the floor), at least 5, at most --repeats.
+checked apart, on a small case); the two graphs alternate call by call and with eager PyTorch block by
+block (a call right after torch's runs slower: caches), and a figure is the median of the repeats: as
+many as fit in about 2 s a point (0.5 s a part of the floor), at least 5, at most --repeats.
 By default the models are exported afresh (seed 0, as `python -m export`) into a temporary repository, so
 the graphs are this tree's; --repository times an existing one. About two minutes on a quiet 2-core
 machine; timings need the machine to themselves.
@@ -93,17 +94,37 @@ def ort_call(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> Call
 
 def timed(calls: dict[str, Callable[[], object]], repeats: int, seconds: float = POINT_SECONDS) -> dict[str, float]:
     """Median ms per call of each, the calls alternating: one warm-up each first, which also sets how many
-    rounds fit in `seconds` (at least 5, at most `repeats`)."""
-    times: dict[str, list[float]] = {label: [] for label in calls}
+    rounds fit in `seconds` (at least 5, at most `repeats`). The order turns round by round, so that each
+    follows each as often."""
+    return timed_apart([calls], repeats, seconds)
+
+
+def timed_apart(groups: list[dict[str, Callable[[], object]]], repeats: int,
+                seconds: float = POINT_SECONDS, block: int = 10) -> dict[str, float]:
+    """`timed` for groups of calls that must not follow one another: blocks of `block` rounds of one group,
+    then of the next, each block after an untimed call of each of its calls. Eager PyTorch's calls leave
+    the caches and predictors to themselves: the ONNX Runtime call right after one runs ~20 us slower at
+    the smallest sizes, which a fixed order would charge to one graph alone (the service never runs torch)."""
+    times: dict[str, list[float]] = {label: [] for calls in groups for label in calls}
     start = time.perf_counter()
-    for call in calls.values():
-        call()
-    repeats = max(5, min(repeats, int(seconds / max(time.perf_counter() - start, 1e-6))))
-    for _ in range(repeats):
-        for label, call in calls.items():
-            start = time.perf_counter()
+    for calls in groups:
+        for call in calls.values():
             call()
-            times[label].append((time.perf_counter() - start) * 1e3)
+    repeats = max(5, min(repeats, int(seconds / max(time.perf_counter() - start, 1e-6))))
+    done = 0
+    while done < repeats:
+        rounds = min(block, repeats - done)
+        for calls in groups:
+            order = list(calls.items())
+            for _, call in order:
+                call()  # untimed: what ran before was another group's
+            for round_ in range(done, done + rounds):
+                turn = round_ % len(order)
+                for label, call in order[turn:] + order[:turn]:
+                    start = time.perf_counter()
+                    call()
+                    times[label].append((time.perf_counter() - start) * 1e3)
+        done += rounds
     return {label: statistics.median(values) for label, values in times.items()}
 
 
@@ -133,7 +154,7 @@ def _gemm(a: tuple[int, ...], b: tuple[int, ...], repeats: int, overhead: float)
     """ms of the faster of ONNX Runtime's MatMul (less its run's overhead) and NumPy's matmul of a @ b."""
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal(a, dtype=np.float32), rng.standard_normal(b, dtype=np.float32)
-    ms = timed({"ort": _one_op("MatMul", [a, b]), "numpy": lambda: np.matmul(x, y)}, repeats, PART_SECONDS)
+    ms = timed_apart([{"ort": _one_op("MatMul", [a, b])}, {"numpy": lambda: np.matmul(x, y)}], repeats, PART_SECONDS)
     return min(max(ms["ort"] - overhead, 0.0), ms["numpy"])
 
 
@@ -231,11 +252,11 @@ def main() -> int:
             rng = np.random.default_rng(0)
             for batch, n in args.sizes:
                 feed = inputs(kind, batch, n, hp, rng)
-                calls = {"torch": torch_call(module, feed), "served": ort_call(served.session, feed),
-                         "decomposed": ort_call(decomposed, feed)}
-                ref_out, ref_w = calls["torch"]()
-                s_out, s_w = calls["served"]()
-                ms = timed(calls, args.repeats)
+                graphs = {"served": ort_call(served.session, feed), "decomposed": ort_call(decomposed, feed)}
+                eager = {"torch": torch_call(module, feed)}
+                ref_out, ref_w = eager["torch"]()
+                s_out, s_w = graphs["served"]()
+                ms = timed_apart([graphs, eager], args.repeats)
                 parts = floor(kind, batch, n, hp, args.repeats, overhead)
                 least = sum(parts.values())
                 shape = f"{batch} x {n} x {n} x {D}" if kind == "dot_product" else \
@@ -259,8 +280,9 @@ def main() -> int:
         *rows,
         "",
         f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point, at least 5 calls), "
-        f"the three runs alternating; one core, one thread; ONNX Runtime {ort.__version__}, torch "
-        f"{torch.__version__}, NumPy {np.__version__}; load average {load:.2f} at the start, "
+        f"the two graphs alternating call by call, and with eager PyTorch block by block; one core, one "
+        f"thread; ONNX Runtime {ort.__version__}, torch {torch.__version__}, NumPy {np.__version__}; load "
+        f"average {load:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the number of cores would be all busy). Served: the graph the "
         f"service runs on the CPU; decomposed: model.onnx, traced from the module (what other execution "
         f"providers run); floor: the GEMMs of the same shapes (ONNX Runtime's MatMul or NumPy's, the faster) "

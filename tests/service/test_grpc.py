@@ -483,14 +483,19 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
 
 
 def test_sigterm_drains_a_call_in_flight(repository):
-    """A call under way when SIGTERM comes is answered; a new one is refused; the process exits 0."""
+    """A call under way when SIGTERM comes is answered; a new one is refused; the process exits 0. Before
+    the signal, a second call at once is over ATTEND_MAX_CONNECTIONS (1): RESOURCE_EXHAUSTED."""
     port = free_port()
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20)) as (url, proc):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_CONNECTIONS="1") as (url, proc):
         client, inputs, outputs, alone, q = _slow_call(port)
         with ThreadPoolExecutor(1) as pool:
             call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
             time.sleep(alone / 3)
+            with pytest.raises(InferenceServerException) as error:
+                client.infer("dot_product", inputs, outputs=outputs)
+            assert error.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+            assert not call.done()
             proc.send_signal(signal.SIGTERM)
             result = call.result(timeout=60)
         np.testing.assert_allclose(result.as_numpy("outputs")[0, :2], _attention(q[0, :2], q[0], q[0]), rtol=1e-4,
