@@ -29,6 +29,7 @@ then they are ended, and the memory a stalled call holds is what it sent (grpc's
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,10 +75,12 @@ class Handlers:
 class CallGuard:
     """Counts the calls under way and reads each one's message within the time allowed."""
 
-    def __init__(self, max_calls: int, message_timeout_s: float, refusals: Mapping[str, Any]):
+    def __init__(self, max_calls: int, message_timeout_s: float, refusals: Mapping[str, Any],
+                 gone: Callable[[str, float], None] = lambda name, seconds: None):
         self.max_calls = max_calls
         self.message_timeout_s = message_timeout_s
         self.refusals = refusals
+        self.gone = gone  # a call whose client went away while its message came: (method, seconds)
         self.calls = 0
 
     def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
@@ -100,9 +103,13 @@ class CallGuard:
                     f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
                     headers={"Retry-After": "1"}))
             self.calls += 1
+            started = time.perf_counter()
             try:
                 try:
                     message = await asyncio.wait_for(context.read(), self.message_timeout_s)
+                except asyncio.CancelledError:
+                    self.gone(name, time.perf_counter() - started)
+                    raise
                 except TimeoutError:
                     self._refused("body_timeout")
                     await _abort(context, name, RequestTimeout(

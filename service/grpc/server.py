@@ -326,6 +326,13 @@ def check_port(host: str, port: int) -> None:
                                ) from None
 
 
+def _gone_early(dataplane: Dataplane, name: str, seconds: float) -> None:
+    """A ModelInfer whose client went away before its message was in: counted as HTTP counts a client gone
+    during its body (499, attend_client_gone), under no model's name (the message named none yet)."""
+    if name == "ModelInfer":
+        dataplane.failed("-", ClientGone("the client went away before its message arrived"), seconds, None, "grpc")
+
+
 class GRPCServer:
     """The gRPC front door as a transport of the Dataplane (service.core.dataplane.Transport).
     `shared_port`: the workers of ATTEND_WORKERS bind the same port (SO_REUSEPORT; the kernel spreads
@@ -346,7 +353,8 @@ class GRPCServer:
         server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
                                                        self.shared_port))
         servicer = Servicer(dataplane, settings, self.version)
-        calls = guard.CallGuard(settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals)
+        calls = guard.CallGuard(settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
+                                functools.partial(_gone_early, dataplane))
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
         try:
             port = server.add_insecure_port(self.address)
