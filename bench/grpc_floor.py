@@ -9,7 +9,7 @@ HTTP).
 The load generator is Python (grpcio's sync client, one process a connection, on the load core): the
 table says how busy that core was, since at these rates the client is near its own bound.
 
-    python bench/grpc_floor.py [--duration 4] [--concurrency 1,16]
+    python bench/grpc_floor.py [--duration 4] [--concurrency 1,16] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import loadgen  # noqa: E402
 import pools  # noqa: E402
 from run import PIN, cpu_seconds  # noqa: E402
 
+from tests.load.report import write_section  # noqa: E402
 from tests.server import free_port  # noqa: E402
 
 SERVER = """
@@ -63,11 +64,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--out", type=Path, help="a markdown file with a <!-- grpc-floor --> section")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="attend-grpc-floor-"))
     index = pools.write_pool(tmp, "W1grpc", [pools.grpc_raw(b) for b in pools.WORKLOADS["W1"].bodies()], http=False)
-    print("| registered as | c | calls/s | p50 ms | p99 ms | server CPU us / call | load core busy |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    table = ["| registered as | c | calls/s | p50 ms | p99 ms | server CPU us / call | load core busy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    print("\n".join(table), flush=True)
     for mode in ("unary", "stream"):
         port = free_port()
         server = subprocess.Popen([*PIN, sys.executable, "-c", SERVER, str(port), mode], stdout=subprocess.PIPE,
@@ -81,11 +84,15 @@ def main() -> int:
                 after = core_times(loadgen.LOAD_CPU)
                 per_call = 1e6 * (cpu_seconds(server.pid) - cpu) / max(point.requests, 1)
                 load = 1 - (after[1] - busy[1]) / max(after[0] - busy[0], 1)
-                print(f"| {'unary' if mode == 'unary' else 'client stream of one message'} | {c} | {point.rps:.0f} | "
-                      f"{point.percentile(50):.2f} | {point.percentile(99):.2f} | {per_call:.0f} | {load:.0%} |")
+                table.append(f"| {'unary' if mode == 'unary' else 'client stream of one message'} | {c} | "
+                             f"{point.rps:.0f} | {point.percentile(50):.2f} | {point.percentile(99):.2f} | "
+                             f"{per_call:.0f} | {load:.0%} |")
+                print(table[-1], flush=True)
         finally:
             server.kill()
             server.wait()
+    if args.out:
+        write_section(args.out, "grpc-floor", table)
     return 0
 
 
