@@ -239,8 +239,10 @@ provider=$(python3 -c "import json, urllib.request as u; print(json.load(u.urlop
 
 # ------------------------------------------------------------------------------ 6b. gRPC ModelInfer (toy)
 phase "gRPC ModelInfer (toy), through the published 8001"
-# Triton's own client, at the lock's version, in the tools venv (not the project's: this script needs none).
-"$TOOLS/bin/pip" install -q -c requirements.lock "tritonclient[grpc]" >>"$LOGS/pip.log" 2>&1 \
+# Triton's own client, at the lock's versions, in the tools venv (not the project's: this script needs none).
+# Not tritonclient[grpc]: that extra pins protobuf<7, the lock's is 7 (pyproject.toml's dev extra says why);
+# tritonclient.grpc runs on the lock's grpcio and protobuf.
+"$TOOLS/bin/pip" install -q -c requirements.lock tritonclient grpcio protobuf numpy packaging >>"$LOGS/pip.log" 2>&1 \
     || { tail -n 20 "$LOGS/pip.log" >&2; exit 1; }
 "$TOOLS/bin/python" - "$grpc_port" "$RUN/toy.json" <<'EOF'
 import json, sys
