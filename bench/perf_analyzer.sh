@@ -109,7 +109,9 @@ json.dump({"data": rows}, open(sys.argv[1], "w"))
 EOF
 
 # ------------------------------------------------------------------ the service
+if [ "$PROTOCOL" = grpc ]; then SERVED="the service's gRPC at $GRPC_URL"; else SERVED="the service at $URL"; fi
 if [ -z "$URL" ]; then
+    SERVED="\`python -m service\` (core 0, one ONNX Runtime thread)"
     PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     [ -d "$REPOSITORY" ] || "$PYTHON" -m export --repository "$REPOSITORY" >&2
     GRPC_PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
@@ -181,7 +183,7 @@ EOF
 done
 COMMAND="bench/perf_analyzer.sh --protocol $PROTOCOL --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
 if [ "$PROTOCOL" = grpc ]; then TENSORS="raw contents in and out"; else TENSORS="binary tensors in and out"; fi
-TEXT="perf_analyzer $VERSION (\`-i $PROTOCOL -b 8\`, $TENSORS, \`--input-data\` of W2's rows) against \`python -m service\` (core 0, one ONNX Runtime thread); perf_analyzer on core 1. Command: \`$COMMAND\`.
+TEXT="perf_analyzer $VERSION (\`-i $PROTOCOL -b 8\`, $TENSORS, \`--input-data\` of W2's rows) against $SERVED; perf_analyzer on core 1. Command: \`$COMMAND\`.
 
 $TABLE
 
