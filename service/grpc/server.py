@@ -256,7 +256,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                 until = min(until, time.monotonic() + remaining)
             # The message is in memory already (at most ATTEND_MAX_BODY_BYTES): it is held first, and a
             # call that would take the budget past its limit is refused as HTTP's body would be.
-            cost.base = request.ByteSize()
+            cost.base = guard.message_size.get() or request.ByteSize()
             cost.hold(cost.base, "this request")
             with dataplane.within(until, "it was decoded"):
                 if cost.base > dataplane.inline_decode_bytes:
