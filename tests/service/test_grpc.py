@@ -432,19 +432,20 @@ def test_off_with_port_zero_and_a_taken_port_stops_the_start(repository, tmp_pat
 
 
 def _slow_call(port):
-    """A client, the inputs of a dot-product call that runs for a while (2 x 2048 x 2048 scores), its
-    outputs, and how long it took once (its length bucket's runs go to an inference thread from then on)."""
+    """A client, the inputs of a dot-product call that runs for a while (6 x 2048 x 2048 scores), its
+    outputs, and how long it took warm (its runs go to an inference thread from then on)."""
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    q = np.random.default_rng(4).normal(size=(2, 2048, 64)).astype(np.float32)
+    q = np.random.default_rng(4).normal(size=(6, 2048, 64)).astype(np.float32)
     inputs = []
     for name in ("queries", "keys", "values"):
         tensor = grpcclient.InferInput(name, list(q.shape), "FP32")
         tensor.set_data_from_numpy(q)
         inputs.append(tensor)
     outputs = [grpcclient.InferRequestedOutput("outputs")]
-    start = time.perf_counter()
-    result = client.infer("dot_product", inputs, outputs=outputs)
-    alone = time.perf_counter() - start
+    for _ in range(2):  # the second run's time: the first pays for its size's first run
+        start = time.perf_counter()
+        result = client.infer("dot_product", inputs, outputs=outputs)
+        alone = time.perf_counter() - start
     np.testing.assert_allclose(result.as_numpy("outputs")[0, :2], _attention(q[0, :2], q[0], q[0]), rtol=1e-4,
                                atol=1e-5)
     assert alone > 0.1, f"the slow call took {alone:.3f}s: too short to act during it"
@@ -459,18 +460,24 @@ def _grpc_count(url, status, family="attend_requests_total"):
 
 def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository):
     port = free_port()
+    # Two slow calls in flight at once: room for both in the in-flight budget.
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20)) as (url, _):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, _):
         client, inputs, outputs, alone, _ = _slow_call(port)
-        done = threading.Event()
+        # A call that runs for `alone`, and one behind it, waiting for the inference thread: cancelled while
+        # it waits (cancelled while it ran alone, it raced the run's end, which now and then came first).
+        ahead, done = threading.Event(), threading.Event()
+        client.async_infer("dot_product", inputs, lambda result, error: ahead.set(), outputs=outputs)
+        time.sleep(alone / 10)
         call = client.async_infer("dot_product", inputs, lambda result, error: done.set(), outputs=outputs)
         time.sleep(alone / 3)
         call.cancel()
-        assert done.wait(10)
+        assert done.wait(10) and ahead.wait(30)
         deadline = time.monotonic() + 10  # the server learns of it from the stream's reset
         while _grpc_count(url, 499) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _grpc_count(url, 499) == 1
+        assert _grpc_count(url, 499) == 1, [x for x in httpx.get(f"{url}/metrics").text.splitlines()
+                                            if "attend_requests_total" in x and 'protocol="grpc"' in x]
         assert 'attend_client_gone_total{model="dot_product"} 1.0' in httpx.get(f"{url}/metrics").text
         # The service's own deadline, asked for in metadata: the call ends while its batch runs.
         with pytest.raises(InferenceServerException) as error:
@@ -479,7 +486,7 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
         assert "deadline passed" in error.value.message()
         assert _grpc_count(url, 504) == 1
         stats = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]["inference_stats"]
-        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 1
+        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 3
 
 
 def test_sigterm_drains_a_call_in_flight(repository):
