@@ -12,6 +12,7 @@ import asyncio
 import socket
 import threading
 import time
+import zlib
 
 import grpc
 import httpx
@@ -131,6 +132,30 @@ def test_a_message_over_the_limit_is_refused_and_the_server_serves_on(server):
         answer = pb.ModelInferResponse.FromString(call(infer_request(), timeout=30))
         assert answer.model_name == "dot_product" and [o.name for o in answer.outputs] == ["outputs",
                                                                                           "attention_weights"]
+    assert httpx.get(f"{url}/health/live", timeout=5).status_code == 200
+    assert settled(url)["inflight_bytes"] == 0
+
+
+def test_a_compressed_message_is_bounded_by_what_it_inflates_to(server):
+    """gRPC's per-message gzip: a message of zeros that is a few KiB on the wire and inflates past
+    ATTEND_MAX_BODY_BYTES is refused RESOURCE_EXHAUSTED; one that inflates to under it is served, priced
+    at its inflated size (the guard reads the message grpc inflated), and nothing stays held."""
+    url, address, _ = server
+    zeros = pb.ModelInferRequest(model_name="dot_product")
+    for name in ("queries", "keys", "values"):
+        zeros.inputs.add(name=name, datatype="FP32", shape=(16, 128, 64))
+        zeros.raw_input_contents.append(bytes(16 * 128 * 64 * 4))
+    big = zeros.SerializeToString()
+    assert len(big) > MAX_BODY and len(zlib.compress(big)) < 16 << 10
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        call = channel.unary_unary(METHOD)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(big, timeout=30, compression=grpc.Compression.Gzip)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+        small = infer_request(batch=4, n=64, d=64)
+        assert len(small) < MAX_BODY
+        answer = pb.ModelInferResponse.FromString(call(small, timeout=30, compression=grpc.Compression.Gzip))
+        assert answer.model_name == "dot_product" and list(answer.outputs[0].shape) == [4, 64, 64]
     assert httpx.get(f"{url}/health/live", timeout=5).status_code == 200
     assert settled(url)["inflight_bytes"] == 0
 
