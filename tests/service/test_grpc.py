@@ -452,6 +452,13 @@ def _slow_call(port):
     return client, inputs, outputs, alone, q
 
 
+def _in_flight(url):
+    """attend_requests_in_flight: requests admitted and not yet answered."""
+    line = next(x for x in httpx.get(f"{url}/metrics").text.splitlines()
+                if x.startswith("attend_requests_in_flight "))
+    return float(line.split()[-1])
+
+
 def _grpc_count(url, status, family="attend_requests_total"):
     metrics = httpx.get(f"{url}/metrics").text
     line = f'{family}{{model="dot_product",protocol="grpc",status="{status}"}} '
@@ -460,17 +467,23 @@ def _grpc_count(url, status, family="attend_requests_total"):
 
 def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository):
     port = free_port()
-    # Two slow calls in flight at once: room for both in the in-flight budget.
+    # Two slow calls in flight at once: room for both in the in-flight budget, and a batch of one call's 6
+    # rows at most and one inference thread (so that the second waits in the queue: not merged into the first
+    # one's run, nor run beside it).
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, _):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
+                         ATTEND_MAX_BATCH_ROWS="6", ATTEND_INFERENCE_THREADS="1") as (url, _):
         client, inputs, outputs, alone, _ = _slow_call(port)
-        # A call that runs for `alone`, and one behind it, waiting for the inference thread: cancelled while
-        # it waits (cancelled while it ran alone, it raced the run's end, which now and then came first).
+        # A call that runs for `alone`, and one behind it, waiting for the inference thread: cancelled once it
+        # is admitted (cancelled at a guessed time, it raced its run's end, which now and then came first).
         ahead, done = threading.Event(), threading.Event()
         client.async_infer("dot_product", inputs, lambda result, error: ahead.set(), outputs=outputs)
         time.sleep(alone / 10)
         call = client.async_infer("dot_product", inputs, lambda result, error: done.set(), outputs=outputs)
-        time.sleep(alone / 3)
+        waiting = time.monotonic() + 10
+        while _in_flight(url) < 2 and not ahead.is_set() and time.monotonic() < waiting:
+            time.sleep(0.002)  # until the second call's message is in and it is admitted
+        assert not ahead.is_set(), "the call ahead ended before the second one was admitted"
         call.cancel()
         assert done.wait(10) and ahead.wait(30)
         deadline = time.monotonic() + 10  # the server learns of it from the stream's reset
