@@ -164,7 +164,7 @@ class RunCost:
     recent runs are than it says (a loaded machine slows both parts alike). Without warm-up runs nothing
     is known until a first run, and no slope (so no padding is worth it) until runs of different sizes."""
 
-    __slots__ = ("fixed", "per_element", "sloped", "largest", "_base", "_n", "_x", "_y", "_xx", "_xy", "_ratio")
+    __slots__ = ("fixed", "per_element", "sloped", "_base", "_n", "_x", "_y", "_xx", "_xy", "_ratio")
     _DECAY = 0.98
     _MIN_RUNS = 8.0  # (decayed) runs a fitted slope needs
 
@@ -172,9 +172,6 @@ class RunCost:
         self.fixed = math.nan
         self.per_element = 0.0
         self.sloped = False
-        # The most elements of a run timed so far: beyond it a prediction is an extrapolation, which may be
-        # far off (a fit whose slope came out 0, a kind whose work grows faster than its elements).
-        self.largest = max((x for x, _ in points), default=0)
         self._base: tuple[float, float] | None = None  # the warm-up's line (fixed, per element)
         self._n = self._x = self._y = self._xx = self._xy = self._ratio = 0.0
         if points:
@@ -190,7 +187,6 @@ class RunCost:
         """A cost known outright (for tests and benchmarks): it does not follow the runs."""
         cost = cls()
         cost.fixed, cost.per_element, cost.sloped = fixed, per_element, True
-        cost.largest = math.inf
         cost._n = math.inf  # observe() leaves it as it is
         return cost
 
@@ -208,7 +204,6 @@ class RunCost:
         return self.fixed / self.per_element
 
     def observe(self, elements: int, seconds: float) -> None:
-        self.largest = max(self.largest, elements)
         if self._n == math.inf:
             return
         if self._base is None:  # the first run of a model not warmed up
@@ -535,10 +530,9 @@ class Batcher:
             self._gathering = None
 
     def _inline(self, elements: int, limit: float) -> bool:
-        """Whether a run of this many elements is predicted to take less than `limit` seconds, from runs at
-        least as large (a larger one goes to an inference thread, and is timed there first)."""
+        """Whether a run of this many elements is predicted to take less than `limit` seconds."""
         cost = self.run_cost
-        return cost.known and elements <= cost.largest and cost.predict(elements) < limit
+        return cost.known and cost.predict(elements) < limit
 
     def _observe(self, jobs: list[Job]) -> None:
         metrics = self.metrics
