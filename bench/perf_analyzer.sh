@@ -9,7 +9,8 @@
 #                          [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50] [--max-memory-gb 16]
 #                          [--max-trials 6] [--out FILE]
 #
-# Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread),
+# Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread; on
+# the CPU execution provider unless ATTEND_DEVICE says otherwise, e.g. cuda on a GPU machine),
 # as bench/run.py does; perf_analyzer runs on core 1. The exit status is perf_analyzer's own (its
 # Python wrapper exits 0 even when the binary cannot start, so the binary is called directly), or 3
 # when perf_analyzer passed --max-memory-gb (it keeps every response it receives, ~1.6 MB a W2
@@ -111,13 +112,13 @@ EOF
 # ------------------------------------------------------------------ the service
 if [ "$PROTOCOL" = grpc ]; then SERVED="the service's gRPC at $GRPC_URL"; else SERVED="the service at $URL"; fi
 if [ -z "$URL" ]; then
-    SERVED="\`python -m service\` (core 0, one ONNX Runtime thread)"
+    SERVED="\`python -m service\` (core 0, one ONNX Runtime thread, ATTEND_DEVICE=${ATTEND_DEVICE:-cpu})"
     PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     [ -d "$REPOSITORY" ] || "$PYTHON" -m export --repository "$REPOSITORY" >&2
     GRPC_PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     GRPC_URL=127.0.0.1:$GRPC_PORT
-    ATTEND_PORT=$PORT ATTEND_GRPC_PORT=$GRPC_PORT ATTEND_MODEL_REPOSITORY=$REPOSITORY ATTEND_DEVICE=cpu ATTEND_INTRA_OP_THREADS=1 \
-        ATTEND_LOG_LEVEL=warning taskset -c 0 "$PYTHON" -m service 2>"$RUN/service.log" &
+    ATTEND_PORT=$PORT ATTEND_GRPC_PORT=$GRPC_PORT ATTEND_MODEL_REPOSITORY=$REPOSITORY ATTEND_INTRA_OP_THREADS=1 \
+        ATTEND_LOG_LEVEL=warning ATTEND_DEVICE=${ATTEND_DEVICE:-cpu} taskset -c 0 "$PYTHON" -m service 2>"$RUN/service.log" &
     SERVICE_PID=$!
     URL=http://127.0.0.1:$PORT
     for _ in $(seq 1 100); do

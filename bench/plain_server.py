@@ -5,6 +5,8 @@ models (one intra-op thread), orjson.dumps with NumPy support; one uvicorn worke
 bad request is a 500), no limits, no metrics, no batching. It serves every model of the repository, each
 from the graph the service runs on the CPU (config.json's CPU variant where there is one, else model.onnx),
 the graph's inputs from the body's fields of the same names, absent or 1-D valid lengths made 2-D.
+With PLAIN_DEVICE=cuda it runs model.onnx on ONNX Runtime's CUDA execution provider instead (TF32 off,
+as the service's default), as a user with a GPU would.
 
     PLAIN_REPOSITORY=model_repository uvicorn bench.plain_server:app --port 8001
 """
@@ -20,14 +22,20 @@ from fastapi import FastAPI, Request, Response
 
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
+cuda = os.environ.get("PLAIN_DEVICE", "cpu") == "cuda"
+if cuda:
+    ort.preload_dlls()  # CUDA's and cuDNN's libraries from their pip wheels, where they come that way
+providers = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
 sessions, inputs, outputs = {}, {}, {}
 for folder in Path(os.environ.get("PLAIN_REPOSITORY", "model_repository")).iterdir():
     if (folder / "config.json").exists():
         config = json.loads((folder / "config.json").read_text())
         # The graph the service runs on the CPU: its CPU variant where there is one (an Attention node).
-        graph = config.get("variants", {}).get("cpu", {}).get("file", config["model_file"])
-        sessions[config["name"]] = ort.InferenceSession(str(folder / graph), options,
-                                                        providers=["CPUExecutionProvider"])
+        graph = config["model_file"] if cuda else config.get("variants", {}).get("cpu", {}).get("file",
+                                                                                              config["model_file"])
+        sessions[config["name"]] = ort.InferenceSession(str(folder / graph), options, providers=providers)
+        if cuda and sessions[config["name"]].get_providers()[0] != "CUDAExecutionProvider":
+            raise SystemExit("PLAIN_DEVICE=cuda, but ONNX Runtime could not load CUDA")
         inputs[config["name"]] = {i.name for i in sessions[config["name"]].get_inputs()}
         outputs[config["name"]] = [o.name for o in sessions[config["name"]].get_outputs()]
 app = FastAPI()

@@ -72,15 +72,15 @@ def service_env(batching: bool, extra: dict[str, str]) -> dict[str, str]:
 PLAIN = (sys.executable, "-m", "uvicorn", "bench.plain_server:app", "--port", "{port}", "--log-level", "warning")
 
 
-def server(kind: str, repository: Path, extra: dict[str, str], grpc_port: int = 0):
+def server(kind: str, repository: Path, extra: dict[str, str], grpc_port: int = 0, device: str = "cpu"):
     """A server to measure, started the same way for each kind: pinned to the server core, a fresh
     process. `kind` is "plain" (bench/plain_server.py), "on" or "off" (the service, batching on/off);
-    the service's gRPC server listens on `grpc_port` (0: off)."""
+    the service's gRPC server listens on `grpc_port` (0: off). Both run on `device` ("cpu" or "cuda")."""
     if kind == "plain":
         return running_service(repository, prefix=PIN, command=PLAIN, ready_path="/docs",
-                               PLAIN_REPOSITORY=str(repository))
-    return running_service(repository, prefix=PIN,
-                           **service_env(kind == "on", {"ATTEND_GRPC_PORT": str(grpc_port), **extra}))
+                               PLAIN_REPOSITORY=str(repository), PLAIN_DEVICE=device)
+    return running_service(repository, prefix=PIN, **service_env(
+        kind == "on", {"ATTEND_GRPC_PORT": str(grpc_port), "ATTEND_DEVICE": device, **extra}))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -110,14 +110,19 @@ def wrk(port: int, body_file: Path, connections: int, seconds: float, pid: int |
     return result
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
     import onnxruntime
 
+    provider = "CPU execution provider"
+    if device == "cuda":
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip().replace(", ", ", driver ")
+        provider = f"CUDA execution provider on {gpu or 'a GPU nvidia-smi did not name'}"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     wrk_version = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("[")[0].strip()
     return (f"{cpu}, {os.cpu_count()} cores; Linux {platform.release()}; Python {platform.python_version()}, "
-            f"onnxruntime {onnxruntime.__version__} (CPU execution provider), numpy {np.__version__}; {wrk_version}")
+            f"onnxruntime {onnxruntime.__version__} ({provider}), numpy {np.__version__}; {wrk_version}")
 
 
 def point_record(row: str, c: int, server: str, rnd: int, point, cpu_us: float) -> dict:
@@ -148,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
             running = {}
             for name in servers:  # every server up for the whole run, each pinned to the server core
                 grpc_port = free_port() if name != "plain" else 0
-                url, proc = stack.enter_context(server(SERVERS[name], args.repository, extra, grpc_port))
+                url, proc = stack.enter_context(server(SERVERS[name], args.repository, extra, grpc_port, args.device))
                 running[name] = ({"wrk": int(url.rsplit(":", 1)[1]), "grpc": grpc_port}, proc)
             for rnd in range(args.rounds):
                 for row in rows:
@@ -177,8 +182,8 @@ def run(args: argparse.Namespace) -> dict:
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "minutes": round((time.monotonic() - clock) / 60, 1),
         "command": " ".join(["python bench/run.py", *sys.argv[1:]]),
-        "machine": machine(),
-        "settings": {"rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup,
+        "machine": machine(args.device),
+        "settings": {"device": args.device, "rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup,
                      "concurrency": concurrency, "servers": servers, "seed": args.seed, "server_cpu": SERVER_CPU,
                      "load_cpu": LOAD_CPU, "service_settings": extra},
         "rows": {row: {"workload": ROWS[row][0], "transport": ROWS[row][1], "text": WORKLOADS[ROWS[row][0]].text,
@@ -312,7 +317,9 @@ def render(results: dict) -> tuple[list[str], list[str]]:
               "service's figure to the plain server's measured beside it (listed under per round); "
               "p99 x plain below 1 is a shorter tail than the plain server's. CPU us / req: the server "
               "process's user + system time over the point, a request. The run took "
-              f"{results['minutes']:g} min.")
+              f"{results['minutes']:g} min."
+              + (" Both servers on ONNX Runtime's CUDA execution provider (model.onnx, TF32 off)."
+                 if settings.get("device") == "cuda" else ""))
     doors = front_doors(results)
     door_lines = ["| row | against | c | req/s x | per round | p99 x |", "| --- | --- | ---: | ---: | --- | ---: |"]
     door_lines += [f"| {d['row']} | {d['against']} | {d['concurrency']} | {d['x']:.2f}x | "
@@ -334,13 +341,13 @@ def render(results: dict) -> tuple[list[str], list[str]]:
     return section, readme
 
 
-def report(results: dict, out: Path | None, readme: Path | None) -> None:
+def report(results: dict, out: Path | None, readme: Path | None, name: str = "bench") -> None:
     section, short = render(results)
     where = results["machine"]
     if out:
-        write_section(out, "bench", section, stamp=results["date"], command=results["command"], where=where)
+        write_section(out, name, section, stamp=results["date"], command=results["command"], where=where)
     if readme:
-        write_section(readme, "bench-ratios", short, stamp=results["date"], command=results["command"], where=where)
+        write_section(readme, f"{name}-ratios", short, stamp=results["date"], command=results["command"], where=where)
 
 
 def main() -> int:
@@ -356,6 +363,10 @@ def main() -> int:
     parser.add_argument("--servers", default="plain,service",
                         help="plain, service, service-nobatch (the service with ATTEND_BATCHING=false)")
     parser.add_argument("--seed", type=int, default=SEED, help="the pools' seed")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="the execution provider both servers run on (cuda: a GPU and onnxruntime-gpu)")
+    parser.add_argument("--section", default="bench",
+                        help="the sections written: <!-- NAME --> in --out, <!-- NAME-ratios --> in --readme")
     parser.add_argument("--set", action="append", default=[], metavar="ATTEND_X=V",
                         help="a service setting for every run (repeatable)")
     parser.add_argument("--results", type=Path, help="write the results (JSON) here")
@@ -377,7 +388,7 @@ def main() -> int:
             args.results.write_text(json.dumps(results, indent=1) + "\n")
     section, _ = render(results)
     print("\n".join(section))
-    report(results, args.out, args.readme)
+    report(results, args.out, args.readme, args.section)
     return 0
 
 

@@ -10,10 +10,14 @@ os.environ.setdefault("ATTEND_GRPC_PORT", "0")
 
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory):
-    """The default model repository, exported once for the whole run (the real exporter)."""
+    """The default model repository, exported once for the whole run (the real exporter); or a copy of
+    ATTEND_TEST_REPOSITORY, one exported elsewhere (a GPU machine whose torch is not the export extra's)."""
     from export.cli import main
 
     path = tmp_path_factory.mktemp("repo") / "model_repository"
+    if os.environ.get("ATTEND_TEST_REPOSITORY"):
+        shutil.copytree(os.environ["ATTEND_TEST_REPOSITORY"], path)
+        return path
     assert main(["--repository", str(path)]) == 0
     return path
 
