@@ -29,6 +29,7 @@ ROOT=$PWD
 VERSION=2.60.0
 TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}/perf-analyzer-$VERSION
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=$(command -v python3)  # a machine without the venv (scripts/gpu_check.sh)
 URL=""
 REPOSITORY=model_repository
 CONCURRENCY="1 2 4 8 16"

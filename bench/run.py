@@ -336,7 +336,8 @@ def render(results: dict) -> tuple[list[str], list[str]]:
                *doors_part,
                "Every server, medians over the rounds:", "", *lines]
     readme = ["The service's throughput and p99 latency as multiples of the plain server's (medians over "
-              f"{settings['rounds']} rounds; docs/benchmarks.md has the whole table):", "", *ratios,
+              f"{settings['rounds']} rounds; every server's figures: `python bench/run.py --report` of the run's "
+              "results file):", "", *ratios,
               *([""] + doors_part[:-1] if doors else [])]
     return section, readme
 
