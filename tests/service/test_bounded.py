@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.load.bodies import ATTEND, INFER, Body, compressed, every_form, json_dense, json_long, v2_binary
-from tests.server import running_service
+from tests.server import AHEAD, running_service
 from tests.service.test_overload import rss_mb, sampling_rss
 
 pytestmark = pytest.mark.slow
@@ -83,11 +83,9 @@ def _send(url: str, body: Body) -> tuple[Body, int | str, dict]:
 def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answering(repository):
     budget_mib = 256  # a quarter of the default: 8 of these bodies at once do not all fit
     bodies = every_form(6 * 2**20) * 2
-    # The service ahead of the machine's other processes too (nice -5 as root): what is measured is its
-    # loop kept from answering by its own work, not by a busy machine (a whole suite's run beside it,
-    # at nice 0, stretched the gaps from ~100 ms to 220-510 ms).
-    ahead = ("nice", "-n", "-5") if os.geteuid() == 0 else ()
-    with running_service(repository, prefix=ahead, ATTEND_MAX_INFLIGHT_BYTES=str(budget_mib * 2**20)) as (url, proc):
+    # The service ahead of the machine's other processes (AHEAD): beside a whole suite's run the gaps
+    # went from ~100 ms to 220-510 ms.
+    with running_service(repository, prefix=AHEAD, ATTEND_MAX_INFLIGHT_BYTES=str(budget_mib * 2**20)) as (url, proc):
         time.sleep(1)
         idle = rss_mb(proc.pid)
         poller = HealthPoller(url)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from service.http.schemas import toy_request
-from tests.server import running_service
+from tests.server import AHEAD, running_service
 
 pytestmark = pytest.mark.slow
 
@@ -221,7 +221,7 @@ def queue_of_large_requests(repository):
     import subprocess
     import sys
 
-    with running_service(repository, prefix=("taskset", "-c", "0"), ATTEND_INFERENCE_THREADS="1",
+    with running_service(repository, prefix=(*AHEAD, "taskset", "-c", "0"), ATTEND_INFERENCE_THREADS="1",
                          ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(16 << 30)) as (url, _):
         queue = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", _QUEUE, url], stdout=subprocess.PIPE,
                                  text=True)
