@@ -83,8 +83,8 @@ def _send(url: str, body: Body) -> tuple[Body, int | str, dict]:
 def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answering(repository):
     budget_mib = 256  # a quarter of the default: 8 of these bodies at once do not all fit
     bodies = every_form(6 * 2**20) * 2
-    # The service ahead of the machine's other processes (AHEAD): beside a whole suite's run the gaps
-    # went from ~100 ms to 220-510 ms.
+    # The service ahead of the machine's other processes (AHEAD): on a busy machine the gaps went from
+    # ~100 ms to 220-510 ms (docs/reliability.md).
     with running_service(repository, prefix=AHEAD, ATTEND_MAX_INFLIGHT_BYTES=str(budget_mib * 2**20)) as (url, proc):
         time.sleep(1)
         idle = rss_mb(proc.pid)
