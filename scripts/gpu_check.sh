@@ -10,7 +10,7 @@
 # Needs onnxruntime-gpu importable by PYTHON (../shared/GPU.md), wrk, perf_analyzer where
 # bench/perf_analyzer.sh looks for it (ATTEND_TOOLS), and an exported REPOSITORY (the tests use a copy of
 # it: ATTEND_TEST_REPOSITORY). Settings, from the environment: PYTHON (python3), REPOSITORY
-# (model_repository), ROWS (W1,W2,W3,W4,W2bin,W1r,W2r), ROUNDS (3), DURATION (2), CONCURRENCY (1,16),
+# (model_repository), ROWS (W1,W2,W3,W4,W2bin,W1grpc,W2grpc), ROUNDS (3), DURATION (2), CONCURRENCY (1,16),
 # BUDGET (seconds for every step together, 540).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHON=$PY PYTHONUNBUFFERED=1
 REPOSITORY=$(realpath "${REPOSITORY:-model_repository}")
-ROWS=${ROWS:-W1,W2,W3,W4,W2bin,W1r,W2r}  # gRPC rows need tritonclient (their encoder)
+ROWS=${ROWS:-W1,W2,W3,W4,W2bin,W1grpc,W2grpc}  # gRPC rows need tritonclient (scripts/gpu_bundle.sh packs it)
 status=0
 END=$(($(date +%s) + ${BUDGET:-540}))
 
