@@ -30,9 +30,10 @@ sessions, inputs, outputs = {}, {}, {}
 for folder in Path(os.environ.get("PLAIN_REPOSITORY", "model_repository")).iterdir():
     if (folder / "config.json").exists():
         config = json.loads((folder / "config.json").read_text())
-        # The graph the service runs on the CPU: its CPU variant where there is one (an Attention node).
-        graph = config["model_file"] if cuda else config.get("variants", {}).get("cpu", {}).get("file",
-                                                                                              config["model_file"])
+        # The graph the service runs on the device: on the CPU its CPU variant where there is one (an
+        # Attention node), on CUDA model.onnx.
+        variant = {} if cuda else config.get("variants", {}).get("cpu", {})
+        graph = variant.get("file", config["model_file"])
         sessions[config["name"]] = ort.InferenceSession(str(folder / graph), options, providers=providers)
         if cuda and sessions[config["name"]].get_providers()[0] != "CUDAExecutionProvider":
             raise SystemExit("PLAIN_DEVICE=cuda, but ONNX Runtime could not load CUDA")
