@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from itertools import chain
@@ -80,7 +81,7 @@ _NUMBERS = frozenset({int, float})
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
 warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
                         module=r"service\.(protocols\.attend|core\.request)")
-# A plan's finiteness check (a dot product with zeros: NaN as soon as one number is not finite).
+# The small bodies' finiteness check (a dot product with zeros: NaN as soon as one number is not finite).
 warnings.filterwarnings("ignore", message="invalid value encountered in dot", category=RuntimeWarning,
                         module=r"service\.protocols\.attend")
 
@@ -130,13 +131,33 @@ def large_not_json(error: Exception) -> InvalidJSON:
     return InvalidJSON(f"the request body is not valid JSON: {why}")
 
 
+_threads = threading.local()
+
+
+def _document(body: bytes) -> Any:
+    """simdjson's parse of `body`. A small body takes its thread's own parser, kept from body to body:
+    a fresh one allocates buffers as large as the body each time (~3 us of a W1 body's parse). A larger
+    body takes a fresh parser, whose buffers go with it; so does a small one while the thread's is busy
+    (proxies of its last document still alive: an error's traceback can hold some)."""
+    if len(body) > _SMALL_BODY:
+        return simdjson.Parser().parse(body)
+    parser = getattr(_threads, "parser", None)
+    if parser is None:
+        parser = _threads.parser = simdjson.Parser()
+    try:
+        return parser.parse(body)
+    except RuntimeError as e:
+        if "re-use a parser" not in str(e):
+            raise
+        return simdjson.Parser().parse(body)
+
+
 def parse(body: bytes) -> dict[str, Any]:
     """The top-level object: values are simdjson proxies (arrays) or plain values. Raises InvalidJSON."""
     if not body:
         raise InvalidJSON("the request body is empty; expected a JSON object")
     try:
-        # A parser per body: it is cheap (~1 us) and its buffers, as large as the body, go with it.
-        document = simdjson.Parser().parse(body)
+        document = _document(body)
     except (ValueError, RuntimeError, UnicodeDecodeError) as e:
         if len(body) > PRECISE_BODY_BYTES:  # the slow way holds every number as a Python object, twice
             raise large_not_json(e) from None
@@ -225,6 +246,17 @@ def _rows(nodes: list[Any], shape: tuple[int, ...]) -> int | None:
 # Bodies up to this size get one structural check of the whole body instead of a walk of every row.
 _SMALL_BODY = 64 * 1024
 _NOT_STRUCTURE = b"0123456789.eE+- \t\n\r"  # what numbers and blanks are made of
+_ZEROS = np.zeros(_SMALL_BODY // 2, dtype=np.float32)  # as many as a small body has numbers ("0,": 2 bytes each)
+_ZEROS.flags.writeable = False
+
+
+def _finite(flat: np.ndarray) -> bool:
+    """Every number of a small body's float32 array finite: x * 0 is 0 for those, NaN for inf (beyond
+    float32) and NaN. One NumPy call where isfinite takes two and a Python wrapper (~2.5 us of a W1
+    request)."""
+    if flat.size > _ZEROS.size:  # (where _SMALL_BODY was raised)
+        return finite(flat)
+    return flat.dot(_ZEROS[:flat.size]) == 0
 
 
 def _first_path_shape(node: Any) -> tuple[int, ...] | None:
@@ -311,7 +343,7 @@ def _small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
     if not _structure_matches(layout, data, shapes):
         return None
     flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
-    if not finite(flat):
+    if not _finite(flat):
         return None
     arrays, start = {}, 0
     for field, shape in shapes.items():
@@ -523,6 +555,11 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
 # which names the field.) For the book's multi-head example this is ~half the decode's time.
 
 _PLANS_PER_MODEL = 64  # layouts kept a snapshot (at most a small body's size each); then it starts over
+# Making a plan costs its body a few microseconds (3-9 us, W1's bodies, 2026-11-26), which only later bodies
+# of its layout win back (~20 us each). So a layout gets one when it comes a second time among the last
+# _LAYOUTS_SEEN layouts (their hashes: ints, ~60 bytes each): varied bodies, which rarely come twice, are
+# spared making plans they would never use.
+_LAYOUTS_SEEN = 4 * _PLANS_PER_MODEL
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,7 +571,6 @@ class _Plan:
     takes_lens: bool  # the model has a valid_lens input (absent or null: every key valid)
     lengths: tuple[int, int, int]  # batch, n_q, n_k
     memo: dict[str, Any]  # Request.memo of this layout's requests
-    zeros: np.ndarray  # float32 zeros, one a number of the arrays
 
     def request(self, model: LoadedModel, data: dict[str, Any]) -> Request | None:
         """The request from a body of this layout; None where its numbers fail a check."""
@@ -545,9 +581,7 @@ class _Plan:
         except (TypeError, ValueError, RuntimeError):
             return None
         flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
-        # Every number finite float32: x * 0 is 0 for those, NaN for inf (beyond float32) and NaN.
-        # One call instead of isfinite's two (~2.5 us of a W1 request).
-        if flat.dot(self.zeros) != 0:
+        if not _finite(flat):
             return None
         feed = {name: flat[start:end].reshape(shape) for name, shape, start, end in self.arrays}
         if self.takes_lens:
@@ -569,18 +603,18 @@ class _Plan:
             return None
 
 
-@functools.lru_cache(maxsize=_PLANS_PER_MODEL)
-def _zeros(size: int) -> np.ndarray:
-    """Read-only float32 zeros, shared by the plans of one size (at most ~128 KB each)."""
-    zeros = np.zeros(size, dtype=np.float32)
-    zeros.flags.writeable = False
-    return zeros
-
-
 def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: RequestLimits,
               tensors: dict[str, np.ndarray], lens: np.ndarray | None, lengths: tuple[int, int, int]
-              ) -> dict[str, Any]:
-    """Leave the plan of a small body that passed every check on its model's snapshot; its memo."""
+              ) -> dict[str, Any] | None:
+    """Leave the plan of a small body that passed every check on its model's snapshot, where its layout
+    was seen before; its memo (None for a layout seen the first time)."""
+    seen = model.body_layouts_seen
+    key = hash(layout)
+    if key not in seen:
+        if len(seen) >= _LAYOUTS_SEEN:
+            seen.clear()
+        seen.add(key)
+        return None
     arrays, start = [], 0
     for name, array in tensors.items():  # in the order of the body's numbers (_small_body_arrays')
         arrays.append((name, array.shape, start, start + array.size))
@@ -589,7 +623,7 @@ def _remember(model: LoadedModel, layout: bytes, data: dict[str, Any], limits: R
     if len(plans) >= _PLANS_PER_MODEL:
         plans.clear()
     plan = plans[layout] = _Plan(tuple(data), limits, tuple(arrays), None if lens is None else lens.shape,
-                                 "valid_lens" in model.input_names, lengths, {}, _zeros(start))
+                                 "valid_lens" in model.input_names, lengths, {})
     return plan.memo
 
 

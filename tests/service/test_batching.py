@@ -262,15 +262,19 @@ def test_run_cost_fits_the_warm_up_and_follows_the_runs(registry):
     assert RunCost([(100, 20e-6), (10_100, 10e-6)]).padding_limit() == 0  # a slope below 0: noise, not a cost
 
 
-def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference):
-    """A layout's requests (service.protocols.attend's plans) carry one memo, where the first Job leaves the
-    sizes the others then take: the same as each request's own, and another layout's are its own."""
+def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference, registry):
+    """A layout's requests (service.protocols.attend's plans, made when the layout comes a second time) carry
+    one memo, where the first Job leaves the sizes the others then take: the same as each request's own, and
+    another layout's are its own."""
     from service.core.batching import _sizes
 
     rng = np.random.default_rng(1)
     for kind in ("dot_product", "additive", "multi_head", "self_attention"):
-        bodies = [make_body(kind, rng, batch=2, n_q=3, n_k=5, form="1d") for _ in range(3)]
-        requests = [reference.decode(b) for b in bodies]
+        registry.get(kind).body_plans.clear()
+        registry.get(kind).body_layouts_seen.clear()
+        bodies = [make_body(kind, rng, batch=2, n_q=3, n_k=5, form="1d") for _ in range(4)]
+        first, *requests = [reference.decode(b) for b in bodies]
+        assert first.memo is None  # the layout's first: no plan yet
         assert requests[0].memo is not None and all(r.memo is requests[0].memo for r in requests)
         jobs = [Job(r, 0.0) for r in requests]
         assert requests[0].memo["job sizes"] is not None

@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+import simdjson
 
 import service.protocols.attend as decode
 from service.core.errors import ServiceError
@@ -29,6 +30,7 @@ def sibling(body: bytes) -> bytes:
 def forget_plans(registry):
     for name in registry.names():
         registry.get(name).body_plans.clear()
+        registry.get(name).body_layouts_seen.clear()
 
 
 LIMITS = decode.RequestLimits()  # one object: a plan holds for the limits object it was checked against
@@ -53,7 +55,8 @@ def _paths(monkeypatch, body, registry):
         monkeypatch.setattr(decode, "_SMALL_BODY", small)
         if not walk:  # no fast array at all: every field the precise way
             monkeypatch.setattr(decode, "_fast_array", lambda node: None)
-        if name == "planned":
+        if name == "planned":  # a layout gets its plan the second time it comes
+            _result(sibling(body), registry)
             _result(sibling(body), registry)
             results["had a plan"] = any(registry.get(n).body_plans for n in registry.names())
         results[name] = _result(body, registry)
@@ -145,12 +148,14 @@ def _toy(**changes) -> bytes:
     return json.dumps(TOY | changes).encode()
 
 
-def test_a_plan_is_left_by_a_valid_small_body_and_used_by_the_next_of_its_layout(registry, monkeypatch):
+def test_a_plan_is_left_by_a_valid_small_body_whose_layout_came_before_and_used_by_the_next(registry, monkeypatch):
     forget_plans(registry)
     model = registry.get("additive")
     first, second = _toy(), sibling(_toy())
     expected = _result(second, registry)
     forget_plans(registry)
+    assert _result(first, registry)["model"] == "additive"
+    assert not model.body_plans  # a layout seen once: no plan yet
     assert _result(first, registry)["model"] == "additive"
     assert list(model.body_plans) == [decode.skeleton(first)] == [decode.skeleton(second)]
     used = []
@@ -158,10 +163,23 @@ def test_a_plan_is_left_by_a_valid_small_body_and_used_by_the_next_of_its_layout
     monkeypatch.setattr(decode._Plan, "request", lambda plan, *a: used.append(plan) or real(plan, *a))
     assert _result(second, registry) == expected
     assert len(used) == 1
-    # Another layout (one key row fewer) is decoded the long way, and leaves its own plan.
-    assert isinstance(_result(_toy(keys=TOY["keys"][:1], values=TOY["values"][:1], queries=TOY["queries"][:1],
-                                   valid_lens=[2]), registry), dict)
+    # Another layout (one key row fewer) is decoded the long way, and leaves its own plan when it comes again.
+    other = _toy(keys=TOY["keys"][:1], values=TOY["values"][:1], queries=TOY["queries"][:1], valid_lens=[2])
+    assert isinstance(_result(other, registry), dict)
+    assert len(used) == 1 and len(model.body_plans) == 1
+    assert isinstance(_result(other, registry), dict)
     assert len(used) == 1 and len(model.body_plans) == 2
+
+
+def test_layouts_that_never_come_again_leave_no_plans_and_what_is_seen_is_bounded(registry):
+    forget_plans(registry)
+    model = registry.get("dot_product")
+    for n in range(1, 3 * decode._LAYOUTS_SEEN):
+        body = {"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n], "values": [[[1.0]] * n]}
+        assert isinstance(_result(json.dumps(body).encode(), registry), dict)
+        assert not model.body_plans
+        assert 1 <= len(model.body_layouts_seen) <= decode._LAYOUTS_SEEN
+    forget_plans(registry)
 
 
 def test_what_numbers_can_get_wrong_is_checked_on_a_plan_too(registry):
@@ -184,7 +202,9 @@ def test_what_numbers_can_get_wrong_is_checked_on_a_plan_too(registry):
         forget_plans(registry)
         expected = _result(raw, registry)
         assert isinstance(expected, tuple), body
-        _result(json.dumps(dict(base, version=len(body["queries"]) // 2)).encode(), registry)  # valid, same layout
+        valid = json.dumps(dict(base, version=len(body["queries"]) // 2)).encode()  # valid, the same layout
+        _result(valid, registry)
+        _result(valid, registry)
         assert registry.get("additive").body_plans, body
         assert _result(raw, registry) == expected, body
     forget_plans(registry)
@@ -203,7 +223,21 @@ def test_plans_are_bounded(registry):
     forget_plans(registry)
     model = registry.get("dot_product")
     for n in range(1, 3 * decode._PLANS_PER_MODEL):
-        body = {"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n], "values": [[[1.0]] * n]}
-        assert isinstance(_result(json.dumps(body).encode(), registry), dict)
+        body = json.dumps({"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n],
+                           "values": [[[1.0]] * n]}).encode()
+        assert isinstance(_result(body, registry), dict)
+        assert isinstance(_result(body, registry), dict)
         assert 1 <= len(model.body_plans) <= decode._PLANS_PER_MODEL
     forget_plans(registry)
+
+
+def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(registry):
+    """A small body's parse reuses its thread's parser; while proxies of the last document it parsed are
+    alive (here `first`'s), the next body takes a fresh parser, and both documents stay readable."""
+    first = decode.parse(b'{"queries": [[[1.0, 2.0]]]}')
+    second = decode.parse(b'{"keys": [[[3.0]]]}')
+    assert type(first["queries"]) is type(second["keys"]) is simdjson.Array  # neither the slow way
+    assert first["queries"].as_list() == [[[1.0, 2.0]]] and second["keys"].as_list() == [[[3.0]]]
+    del first, second
+    third = decode.parse(b'{"values": [[[4.0]]]}')  # the thread's parser, free again
+    assert type(third["values"]) is simdjson.Array and third["values"].as_list() == [[[4.0]]]
