@@ -255,3 +255,18 @@ def test_report_needs_marked_sections(tmp_path):
     (tmp_path / "results.json").write_text("{}")
     with pytest.raises(SystemExit, match="no section"):
         run.report(results(), tmp_path / "results.json", None)
+
+
+def test_the_decode_bench_times_each_pool_in_two_trees_and_pairs_them(repository):
+    """bench/decode.py against this same checkout as the other tree: a row a workload, a time for each tree,
+    and paired ratios near 1 (the same code on the same bodies)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--tree", str(ROOT), "--workloads",
+                          "W1,W6", "--rounds", "2", "--passes", "1", "--repository", str(repository)],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| W")]
+    assert [r[0].strip() for r in rows] == ["W1", "W6"], out
+    for _, this, other, ratio, rounds in rows:
+        assert 1 < float(this) < 10_000 and 1 < float(other) < 10_000, out
+        assert len(rounds.split()) == 2 and 0.3 < float(ratio) < 3, out
