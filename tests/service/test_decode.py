@@ -231,13 +231,25 @@ def test_plans_are_bounded(registry):
     forget_plans(registry)
 
 
-def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(registry):
-    """A small body's parse reuses its thread's parser; while proxies of the last document it parsed are
-    alive (here `first`'s), the next body takes a fresh parser, and both documents stay readable."""
+def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(registry, monkeypatch):
+    """A small body's parse reuses its thread's parser (made once); while proxies of the last document it
+    parsed are alive (here `first`'s), the next body takes a fresh parser, and both documents stay readable.
+    A body over 64 KB takes a fresh one."""
+    made = []
+    real = simdjson.Parser
+    monkeypatch.setattr(decode.simdjson, "Parser", lambda: made.append(1) or real())
+    monkeypatch.setattr(decode._threads, "parser", None, raising=False)
+    for _ in range(3):
+        assert decode.parse(b'{"queries": [[[1.0]]]}')["queries"].as_list() == [[[1.0]]]
+    assert len(made) == 1  # the thread's, once
     first = decode.parse(b'{"queries": [[[1.0, 2.0]]]}')
     second = decode.parse(b'{"keys": [[[3.0]]]}')
+    assert len(made) == 2  # `first` holds the thread's: a fresh one
     assert type(first["queries"]) is type(second["keys"]) is simdjson.Array  # neither the slow way
     assert first["queries"].as_list() == [[[1.0, 2.0]]] and second["keys"].as_list() == [[[3.0]]]
     del first, second
     third = decode.parse(b'{"values": [[[4.0]]]}')  # the thread's parser, free again
+    assert len(made) == 2
+    large = decode.parse(b'{"values": [[[' + b",".join([b"1.0"] * 20_000) + b']]]}')
+    assert len(made) == 3 and large["values"].as_list()[0][0][:2] == [1.0, 1.0]
     assert type(third["values"]) is simdjson.Array and third["values"].as_list() == [[[4.0]]]
