@@ -96,8 +96,8 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
         queries = keys = values = g.op("Add", ["queries", rows], "X")
 
     # The mask: position j of the keys is attended to by query i of example b when j < valid_lens[b, i].
-    # Compared as int32: ONNX Runtime's Less of int64 takes twice as long over the (batch, n_q, n_k) mask
-    # (measured 2026-11-26, one thread: 182 against 82 us at 2 x 512 x 512); lengths are at most n_k.
+    # Compared as int32: ONNX Runtime builds the (batch, n_q, n_k) mask in about half the time it takes in
+    # int64 (`python bench/mask_dtype.py`); lengths are at most n_k.
     lens_32 = g.op("Cast", ["valid_lens"], "lens_32", to=TensorProto.INT32)
     lens = g.op("Unsqueeze", [lens_32, g.const("axes_1_3", np.array([1, 3], np.int64))], "lens")  # (b, 1, n_q, 1)
     n_k_1 = g.op("Shape", [keys], "n_k_1", start=1, end=2)  # [n_k]

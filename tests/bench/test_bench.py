@@ -270,3 +270,14 @@ def test_the_decode_bench_times_each_pool_in_two_trees_and_pairs_them(repository
     for _, this, other, ratio, rounds in rows:
         assert 1 < float(this) < 10_000 and 1 < float(other) < 10_000, out
         assert len(rounds.split()) == 2 and 0.3 < float(ratio) < 3, out
+
+
+def test_the_mask_bench_builds_the_same_mask_in_both_integer_types():
+    """bench/mask_dtype.py stops where its int64 and int32 masks differ; a row a size where they agree."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "mask_dtype.py"), "--sizes", "2x7", "1x33",
+                          "--calls", "3"], capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line[:3].strip("| ").isdigit()]
+    assert [r[0].strip() for r in rows] == ["2 x 7 x 7", "1 x 33 x 33"], out
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
