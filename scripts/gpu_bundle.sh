@@ -21,14 +21,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PART_MIB=${PART_MIB:-60}
-TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}/perf-analyzer-2.60.0
+VERSION=$(sed -n 's/^VERSION=//p' bench/perf_analyzer.sh)  # perf_analyzer's, where bench/perf_analyzer.sh unpacks it
+TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}/perf-analyzer-$VERSION
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$TOOLS/perf_analyzer" ] || { echo "no perf_analyzer in $TOOLS: run make perf-analyzer once" >&2; exit 2; }
 command -v wrk >/dev/null || { echo "no wrk: apt-get install wrk" >&2; exit 2; }
 
 WORK=$(mktemp -d /tmp/attend-gpu-bundle.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
-mkdir -p "$WORK/bundle/site" "$WORK/bundle/tools/perf-analyzer-2.60.0" "$WORK/wheels"
+mkdir -p "$WORK/bundle/site" "$WORK/bundle/tools/perf-analyzer-$VERSION" "$WORK/wheels"
 platform=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --platform manylinux_2_28_x86_64
           --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
           --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any)
@@ -50,7 +51,7 @@ rm -rf "$WORK"/bundle/site/onnxruntime/capi/libonnxruntime.so.* "$WORK"/bundle/s
     "$WORK/bundle/site/onnxruntime/transformers" "$WORK/bundle/site/onnxruntime/quantization"
 
 cp "$(command -v wrk)" "$(ldconfig -p | awk '/libluajit-5.1.so.2 / {print $NF; exit}')" "$WORK/bundle/tools/"
-cp -a "$TOOLS/perf_analyzer" "$TOOLS/root" "$WORK/bundle/tools/perf-analyzer-2.60.0/"
+cp -a "$TOOLS/perf_analyzer" "$TOOLS/root" "$WORK/bundle/tools/perf-analyzer-$VERSION/"
 
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu && mkdir -p .gpu

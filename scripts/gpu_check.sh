@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks only a GPU machine can run, in one go, each step bounded by its own time limit so that a
-# slow one leaves the others their time, and all of them by BUDGET: what ONNX Runtime sees there, the gpu-marked tests, Triton's
-# perf_analyzer against the service on CUDA (HTTP and gRPC), and `bench/run.py --device cuda` (the service
-# against the plain server, both on CUDA). Each step's output goes to OUT/<step>.txt, its exit status to
+# slow one leaves the others their time, and all of them by BUDGET: what ONNX Runtime sees there, the
+# gpu-marked tests, Triton's perf_analyzer against the service on CUDA (HTTP and gRPC), and
+# `bench/run.py --device cuda` (the service against the plain server, both on CUDA). Each step's output goes to OUT/<step>.txt, its exit status to
 # OUT/summary.txt; the bench's results to OUT/bench-cuda.json (`bench/run.py --report` renders them).
 #
 #   scripts/gpu_check.sh [OUT]     (default: gpu-check)
@@ -13,7 +13,7 @@
 # (model_repository), ROWS (W1,W2,W3,W4,W2bin,W1grpc,W2grpc), ROUNDS (3), DURATION (2), CONCURRENCY (1,16),
 # BUDGET (seconds for every step together, 540).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
