@@ -387,6 +387,7 @@ class Batcher:
         self._waiter: asyncio.Future | None = None  # the batcher's task, waiting for work
         self._gathering: asyncio.Future | None = None  # a batch waiting for more requests
         self._gather_target = 0
+        self._gather_timer: asyncio.TimerHandle | None = None
         self._last_put = 0.0  # when the latest request joined the batch being gathered
         self.size = 0
         self.stepping = False  # a batch is being taken and run (by the batcher's task or by a leader)
@@ -509,25 +510,28 @@ class Batcher:
         loop = self.scheduler.loop
         gathering = self._gathering = loop.create_future()
         self._gather_target, self._last_put = target, group[-1].enqueued
-        timer = None
-
-        def expire() -> None:
-            nonlocal timer
-            if gathering.done():
-                return
-            now = time.monotonic()
-            end = min(self._last_put + max_wait, cap)
-            if now >= end:
-                gathering.set_result(None)
-            else:  # uvloop counts whole milliseconds: at least one, not a spin through the loop
-                timer = loop.call_later(max(end - now, 1e-3), expire)
-
-        timer = loop.call_later(max(self._last_put + max_wait - now, 0), expire)
+        # A method and its arguments, not a closure: a closure that re-arms its own timer refers to
+        # itself, a reference cycle a batch, left to the garbage collector.
+        self._gather_timer = loop.call_later(max(self._last_put + max_wait - now, 0), self._expire, gathering,
+                                             max_wait, cap)
         try:
             await gathering
         finally:
-            timer.cancel()
+            self._gather_timer.cancel()
+            self._gather_timer = None
             self._gathering = None
+
+    def _expire(self, gathering: asyncio.Future, max_wait: float, cap: float) -> None:
+        """The gathering's timer: the wait ends `max_wait` after the latest request joined, at `cap` at most."""
+        if gathering.done():
+            return
+        now = time.monotonic()
+        end = min(self._last_put + max_wait, cap)
+        if now >= end:
+            gathering.set_result(None)
+        else:  # uvloop counts whole milliseconds: at least one, not a spin through the loop
+            self._gather_timer = self.scheduler.loop.call_later(max(end - now, 1e-3), self._expire, gathering,
+                                                                max_wait, cap)
 
     def _inline(self, elements: int, limit: float) -> bool:
         """Whether a run of this many elements is predicted to take less than `limit` seconds."""

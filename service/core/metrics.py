@@ -11,7 +11,8 @@ Process metrics (`process_*`: resident memory, CPU seconds, open file descriptor
 prometheus_client's ProcessCollector on the app's registry. With workers, one process's values
 cannot be summed from files, and the worker that answers a scrape is any of them: each scrape
 reads /proc of every live worker and of their supervisor instead, a `pid` label each
-(`WorkerProcesses`), as `attend_worker_served` is labelled.
+(`WorkerProcesses`), as `attend_worker_served` is labelled. The garbage collector's (`python_gc_*`,
+prometheus_client's GCCollector) only without workers: no other process's can be read.
 
 Limits and what is held against them are read at scrape time (`set_function`), so that the request
 path pays nothing for them; with workers, where a scrape reads files, the in-flight bytes are
@@ -28,6 +29,7 @@ import re
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
@@ -130,6 +132,7 @@ class Metrics:
                                      multiprocess_mode="livemax")
         if not MULTIPROCESS:
             ProcessCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
         self._used: Callable[[], float] | None = None
         self._models: dict[str, ModelMetrics] = {}
 

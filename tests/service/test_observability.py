@@ -58,9 +58,10 @@ def test_every_family_of_a_live_scrape_is_documented(service):
     # Every family as the scrape names it (# TYPE: counters with their _total), but the _created gauge
     # prometheus_client adds to each counter and histogram (the doc says so once).
     exported = {name for name, _ in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
-                if name.startswith(("attend_", "process_")) and not name.endswith("_created")}
+                if name.startswith(("attend_", "process_", "python_gc_")) and not name.endswith("_created")}
     assert {"attend_requests_total", "attend_request_duration_seconds", "attend_refused_total",
-            "attend_inflight_bytes", "process_resident_memory_bytes", "process_cpu_seconds_total"} <= exported
+            "attend_inflight_bytes", "process_resident_memory_bytes", "process_cpu_seconds_total",
+            "python_gc_objects_collected_total"} <= exported
     doc = DOC.read_text()
     missing = sorted(name for name in exported if not re.search(rf"`{name}(\{{[^`]*\}})?`", doc))
     assert not missing, f"docs/observability.md does not name: {missing}"

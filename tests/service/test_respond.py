@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import weakref
 
 import numpy as np
 import pytest
@@ -147,7 +148,7 @@ def test_a_header_value_with_a_line_break_is_refused_not_sent():
     cycle.flow, cycle.scope, cycle.default_headers, cycle.keep_alive = Flow(), {"method": "POST"}, [], True
     cycle.message_event = asyncio.Event()
     with pytest.raises(RuntimeError, match="header value"):
-        protocol._respond(cycle, 200, [(b"x-a", b"1\r\nset-cookie: x")], b"{}")
+        protocol._respond(weakref.ref(cycle), 200, [(b"x-a", b"1\r\nset-cookie: x")], b"{}")
     assert not cycle.response_started
 
 
