@@ -396,7 +396,7 @@ class GuardedProtocol(HttpToolsProtocol):
             extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
             # The cycle by a weak reference: its scope holds these, and a strong one would make each
             # request a reference cycle, left to the garbage collector (a collection every ~40 requests,
-            # 7-18 us a request, and the full ones tens of milliseconds).
+            # 5-21 us a request, `python bench/gc_cost.py`).
             cycle = weakref.ref(self.cycle)
             extensions["attend.respond"] = functools.partial(self._respond, cycle)
             # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the
