@@ -10,6 +10,7 @@ then stops). A load that fails leaves what was serving as it was, and says why.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -76,6 +77,8 @@ class ModelControl:
             self.scheduler.batcher_for(model)
             log.info("model %s: version %d serving%s", name, model.config.version,
                      f"; version(s) {', '.join(str(m.config.version) for m in retired)} retired" if retired else "")
+        if retired:
+            gc.unfreeze()  # (service.http.server froze what was there at start: the retired snapshot too)
         for old in retired:
             self.scheduler.spawn(self.scheduler.retire(old, self.drain_s))
         return model
@@ -88,6 +91,7 @@ class ModelControl:
             if not self.registry.loaded_versions(name):
                 raise ModelNotFound(f"model {excerpt(name)} is not loaded")
             retired = self.registry.remove(name)
+        gc.unfreeze()
         drained = await asyncio.gather(*(self.scheduler.retire(m, self.drain_s) for m in retired))
         log.info("model %s unloaded%s", name, "" if all(drained) else " (its queue did not drain in time)")
         return len(retired)

@@ -11,8 +11,8 @@ Process metrics (`process_*`: resident memory, CPU seconds, open file descriptor
 prometheus_client's ProcessCollector on the app's registry. With workers, one process's values
 cannot be summed from files, and the worker that answers a scrape is any of them: each scrape
 reads /proc of every live worker and of their supervisor instead, a `pid` label each
-(`WorkerProcesses`), as `attend_worker_served` is labelled. The garbage collector's (`python_gc_*`,
-prometheus_client's GCCollector) only without workers: no other process's can be read.
+(`WorkerProcesses`), as `attend_worker_served` is labelled. The garbage collector's (`python_gc_*`:
+prometheus_client's GCCollector, and `_Frozen`) only without workers: no other process's can be read.
 
 Limits and what is held against them are read at scrape time (`set_function`), so that the request
 path pays nothing for them; with workers, where a scrape reads files, the in-flight bytes are
@@ -23,6 +23,7 @@ docs/observability.md says what every family means; a test holds it to a live sc
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import re
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.gc_collector import GCCollector
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
@@ -79,6 +80,15 @@ class ModelMetrics:
         if child is None:
             child = self._latencies[protocol] = self._metrics.latency.labels(self._name, protocol)
         return child
+
+
+class _Frozen:
+    """python_gc_frozen_objects: the objects `gc.freeze()` put out of the collector's sight (python -m service
+    does at start; a model loaded or unloaded puts them back)."""
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("python_gc_frozen_objects", "Objects out of the garbage collector's sight (gc.freeze "
+                                "at start; 0 once a model was loaded or unloaded)", value=gc.get_freeze_count())
 
 
 class Metrics:
@@ -133,6 +143,7 @@ class Metrics:
         if not MULTIPROCESS:
             ProcessCollector(registry=self.registry)
             GCCollector(registry=self.registry)
+            self.registry.register(_Frozen())
         self._used: Callable[[], float] | None = None
         self._models: dict[str, ModelMetrics] = {}
 

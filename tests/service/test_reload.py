@@ -224,3 +224,23 @@ def test_model_control_is_an_admin_operation(repo):
     with running_service(repo, ATTEND_MODEL_CONTROL="true") as (url, _):
         assert httpx.post(f"{url}/v2/repository/index", json={"ready": True}).json() == [
             {"name": "multi_head", "version": "1", "state": "READY", "reason": ""}]
+
+
+def frozen(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^python_gc_frozen_objects (\S+)$", text, re.M).group(1))
+
+
+def test_what_the_process_froze_at_start_is_collectable_again_once_a_model_is_replaced(repo):
+    """python -m service freezes what it holds once started (a full collection under load then looks only at
+    what came after); a load that retires a snapshot unfreezes it all, so that the retired model's cycles, if
+    any, are collected; so does an unload."""
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        assert frozen(url) > 10_000  # the modules and the model
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0  # version 2
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60).status_code == 200
+        assert frozen(url) == 0
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+        assert frozen(url) > 10_000
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/unload", headers=ADMIN, timeout=60).status_code == 200
+        assert frozen(url) == 0
