@@ -277,12 +277,15 @@ def test_a_deadline_covers_every_wait(repository):
         time.sleep(1.0)  # the bodies are coming in, their decodes and runs queued
         status, body, waited = with_deadline_of_2s(url)
         statuses = json.loads(queue.communicate(timeout=300)[0])
-        # Answered within its deadline and a margin: late, a 504; on time, its answer. The margin is
-        # the event loop's delay while the decode thread holds the GIL and 64 bodies come in: 2.1-2.35 s
-        # for the 504 in runs of this and of the code before, 2.55 s once in a full CI run.
+        # Answered within its deadline and a margin: late, a 504; taken before its deadline, its answer
+        # (the deadline covers the waits before a run, not the run: docs/errors.md). The margin is the
+        # event loop's delay while the decode thread holds the GIL and 64 bodies come in, and the run of
+        # a batch taken just before the deadline: 2.1-2.35 s for the 504 in runs of this and of the code
+        # before, 2.55 s once in a full CI run; 2.22-2.27 s for the 200 in 2 of 7 runs once the requests
+        # left no garbage to collect (09e5ed5: a faster service reaches this request sooner).
         assert waited < 3.0, (waited, status)
-        assert status == 200 and waited < 2.1 or status == 504 and json.loads(body)["error"]["code"] == \
-            "deadline_exceeded", (status, body[:200])
+        assert status == 200 and json.loads(body)["outputs"] or status == 504 and json.loads(body)["error"][
+            "code"] == "deadline_exceeded", (status, body[:200])
         assert set(statuses) == {200}
 
 
