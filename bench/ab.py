@@ -37,6 +37,16 @@ from run import PIN, cpu_seconds, service_env  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
 
+def serve(repository: Path, spec: str, **env: str):
+    """SERVER (a checkout, optionally `+NAME=VALUE,...` settings) as this script serves it: `python -m service`
+    run in that checkout, pinned to the server core, at the measured settings. A context manager of
+    (url, process)."""
+    tree, _, settings = spec.partition("+")
+    extra = dict(s.split("=", 1) for s in settings.split(",") if s)
+    command = ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"]
+    return running_service(repository, prefix=PIN, command=command, **env, **service_env(True, extra))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("servers", nargs="+", metavar="SERVER")
@@ -60,11 +70,7 @@ def main() -> int:
         stack.callback(shutil.rmtree, tmp)
         servers = []
         for spec in args.servers:
-            tree, _, settings = spec.partition("+")
-            extra = dict(s.split("=", 1) for s in settings.split(",") if s)
-            command = ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"]
-            url, proc = stack.enter_context(running_service(args.repository, prefix=PIN, command=command,
-                                                             **service_env(True, extra)))
+            url, proc = stack.enter_context(serve(args.repository, spec))
             servers.append((spec, int(url.rsplit(":", 1)[1]), proc))
         for name in wanted:
             client, index = TRANSPORTS[ROWS[name][1]].client, pools[name]["index"]

@@ -5,10 +5,11 @@ or more checkouts of this repository.
 
     python bench/gc_cost.py [SERVER ...] [--rows W1,W7] [--concurrency 1,16] [--seconds 5]
 
-SERVER is a checkout (`git worktree add /tmp/base <commit>`; default: this one), served as bench/ab.py
-serves it: pinned to core 0, wrk with bench/pool.lua on core 1, the rows' pools of varied bodies. Each
-point is measured after a warm-up of 2 s; the counts are per request of the point, but gen 2 (full
-collections, each a pause of the event loop) and those over 5 ms, counted in the point.
+SERVER is a checkout (`git worktree add /tmp/base <commit>`; default: this one), optionally with
+`+NAME=VALUE,...` settings, served as bench/ab.py serves it (`ab.serve`): pinned to core 0, wrk with
+bench/pool.lua on core 1, the rows' pools of varied bodies. Each point is measured after a warm-up of 2 s;
+the counts are per request of the point, but gen 2 (full collections, each a pause of the event loop) and
+those over 5 ms, counted in the point.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from ab import serve  # noqa: E402
 from loadgen import measure  # noqa: E402
 from pools import ROWS, SEED, TRANSPORTS, make_pools  # noqa: E402
-from run import PIN, service_env  # noqa: E402
-
-from tests.server import running_service  # noqa: E402
 
 # Loaded by the service's interpreter at start (PYTHONPATH): every collection timed, the totals written
 # to GC_STATS (generation 0, 1, 2 collections; objects collected; seconds; those over 5 ms) every 0.2 s.
@@ -91,10 +90,8 @@ def main() -> int:
         pools = make_pools(tmp, rows, args.seed)
         for spec in args.servers:
             stats = tmp / f"gc-{len(list(tmp.glob('gc-*')))}"
-            command = ["bash", "-c", f"cd {Path(spec).resolve()} && exec {sys.executable} -m service"]
-            with running_service(args.repository, prefix=PIN, command=command, PYTHONPATH=str(tmp / "site"),
-                                 GC_STATS=str(stats), **service_env(True, {})) as (_, proc):
-                port = int(_.rsplit(":", 1)[1])
+            with serve(args.repository, spec, PYTHONPATH=str(tmp / "site"), GC_STATS=str(stats)) as (url, proc):
+                port = int(url.rsplit(":", 1)[1])
                 for row in rows:
                     client, index = TRANSPORTS[ROWS[row][1]].client, pools[row]["index"]
                     for c in (int(c) for c in args.concurrency.split(",")):

@@ -2,8 +2,9 @@
 # The checks only a GPU machine can run, in one go, each step bounded by its own time limit so that a
 # slow one leaves the others their time, and all of them by BUDGET: what ONNX Runtime sees there, the
 # gpu-marked tests, Triton's perf_analyzer against the service on CUDA (HTTP and gRPC), and
-# `bench/run.py --device cuda` (the service against the plain server, both on CUDA). Each step's output goes to OUT/<step>.txt, its exit status to
-# OUT/summary.txt; the bench's results to OUT/bench-cuda.json (`bench/run.py --report` renders them).
+# `bench/run.py --device cuda` (the service against the plain server, both on CUDA). Each step's output
+# goes to OUT/<step>.txt, its exit status to OUT/summary.txt; the bench's results to OUT/bench-cuda.json
+# (`bench/run.py --report` renders them).
 #
 #   scripts/gpu_check.sh [OUT]     (default: gpu-check)
 #
