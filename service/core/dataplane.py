@@ -253,8 +253,9 @@ class Dataplane:
         self.metrics.worker_exit()
 
     def stop_accepting(self) -> None:
-        """SIGTERM: readiness turns off at once; requests already sent are still served. The transports
-        take no new requests from now on (the server of the app stops accepting itself)."""
+        """SIGTERM (on the event loop, not in the signal handler: the metrics take locks): readiness turns
+        off at once; requests already sent are still served. The transports take no new requests from
+        now on (the server of the app stops accepting itself)."""
         self.ready = False
         self.metrics.ready.set(0)
         for transport in self.transports:

@@ -119,11 +119,25 @@ class GracefulServer(uvicorn.Server):
         self.app.state.dataplane.reload_changed()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler (uvicorn's signal.signal): Python runs it in the main thread between two
+        # bytecodes of whatever the event loop was doing, so it must take no lock that code can hold.
+        # prometheus_client's locks are not reentrant (with workers, one lock for every metric): the
+        # readiness gauge set here, while the loop was counting a request, hung a worker for good
+        # (test_workers, SIGTERM under load). The readiness and the log line are the loop's next turn;
+        # uvicorn's own part sets two attributes.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving (yet, or any more): nothing to turn off
+            loop = None
+        if loop is not None:
+            loop.call_soon_threadsafe(self._stop_accepting, sig)
+        super().handle_exit(sig, frame)
+
+    def _stop_accepting(self, sig: int) -> None:
         dataplane = getattr(getattr(self.app, "state", None), "dataplane", None)
         if dataplane is not None and dataplane.ready:
             log.info("signal %d: not ready; finishing %d requests in flight", sig, dataplane.in_flight)
             dataplane.stop_accepting()
-        super().handle_exit(sig, frame)
 
 
 def serving_url(server: uvicorn.Server) -> str:
@@ -180,7 +194,14 @@ class Supervisor(multiprocess.Multiprocess):
             self._forward(signal.SIGTERM)
             for sock in self.sockets:
                 sock.close()
-        self.should_exit.set()
+        # uvicorn's loop takes it from the queue (handle_term, handle_int: should_exit), within 0.5 s.
+        # Not should_exit.set() here: that takes the lock of the Event the loop waits on, which its
+        # own thread, interrupted by this handler, can be holding.
+        self.signal_queue.append(sig)
+
+    def keep_subprocess_alive(self) -> None:
+        if not self._stopping:  # workers that end after the signal are not replaced
+            super().keep_subprocess_alive()
 
     def _forward(self, sig: int) -> None:
         for process in self.processes:
