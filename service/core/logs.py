@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from typing import Any
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -87,7 +88,10 @@ class _BatchHandler(logging.StreamHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lines: list[str] = []
+        # A deque: its append (a request's thread) and popleft (the flusher's) are thread-safe, without a
+        # lock the event loop would wait on while the flusher writes. (A list swapped for a new one lost a
+        # line now and then: appended to the old one after the swap, written no more.)
+        self.lines: deque[str] = deque()
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -95,13 +99,14 @@ class _BatchHandler(logging.StreamHandler):
         except Exception:
             self.handleError(record)
             return
-        self.lines.append(line)  # list.append is atomic: no lock needed against the flusher's swap
+        self.lines.append(line)
         if record.levelno >= logging.WARNING:
             self.flush()
 
     def flush(self) -> None:
         with self.lock:
-            lines, self.lines = self.lines, []
+            queued = self.lines
+            lines = [queued.popleft() for _ in range(len(queued))]
             if lines:
                 try:
                     self.stream.write("".join(lines))

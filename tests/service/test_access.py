@@ -1,7 +1,10 @@
-"""API keys, CORS and request IDs."""
+"""API keys, CORS, request IDs and the access log."""
 
+import io
 import logging
 import re
+import sys
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -139,6 +142,44 @@ def test_the_access_line_written_directly_is_the_records_line(monkeypatch):
             middleware.request_id.reset(token)
     finally:
         middleware.flush_logs()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        middleware._handler = None
+
+
+def test_no_access_line_is_lost_to_the_flusher():
+    """The event loop appends access lines while the flusher thread takes them for its write: every line
+    is written once, in order, however the two interleave (the interpreter made to switch threads as
+    often as it can). A list swapped for a new one lost 2-3% of them here."""
+    from service.core import logs as middleware
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    switch = sys.getswitchinterval()
+    try:
+        middleware.configure_logging("info")
+        handler = middleware._handler
+        assert handler is not None
+        handler.setStream(io.StringIO())
+        stop = threading.Event()
+
+        def flushing() -> None:
+            while not stop.is_set():
+                handler.flush()
+
+        flusher = threading.Thread(target=flushing)
+        sys.setswitchinterval(1e-6)
+        flusher.start()
+        n = 20000
+        for i in range(n):
+            middleware.log_access("GET", f"/{i}", 200, 0.001)
+        stop.set()
+        flusher.join()
+        handler.flush()
+        written = [int(line.split(" GET /")[1].split()[0]) for line in handler.stream.getvalue().splitlines()]
+        assert written == list(range(n)), (len(written), n)
+    finally:
+        sys.setswitchinterval(switch)
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
         middleware._handler = None
