@@ -19,12 +19,15 @@ The graph takes what the traced one takes and answers the same, name for name an
   of the output and of the mode-3 weights (the errata in onnx 1.23's text of `Attention`; ONNX Runtime's
   CPU kernel does so): zeros, as models.masked_softmax makes them (not the book's uniform weights).
   The validator's sweep (export.validate) checks it on every export.
-- onnx's shape inference (1.23) gives the node's outputs a last axis of 0 where that size is symbolic
-  (the weights' n_k always, dot_product's value_size); ONNX Runtime reports a graph output's shape from
-  it, and the service checks the session's shapes against config.json. Such an output therefore leaves
-  through a Reshape to a shape computed from the inputs, whose inferred axes are unknown and take the
-  names the graph's outputs declare. It costs a copy: ONNX Runtime copies where a Reshape's output is
-  the graph's (docs/benchmarks.md). multi_head's Y is sized right (num_hiddens is a number) and needs none.
+- multi_head's weights (and self_attention's) leave the graph as the node makes them, (batch, heads,
+  n_q, n_k). onnx's shape inference (1.23) sizes their n_k 0, the size ONNX Runtime then reports for the
+  output: the service reads a 0 where config.json names an axis as that name
+  (`export.repository.shape_agrees`), and runs the graph at log severity "error", since ONNX Runtime
+  warns at every run that the real shape is not 0 (`CPU_GRAPH_LOG_SEVERITY`). A Reshape to a shape
+  computed from the inputs would name the axis, at the cost of a copy of the weights (ONNX Runtime
+  copies where a Reshape's output is the graph's): 10-12% of multi_head's time from n = 512 on
+  (docs/benchmarks.md). dot_product's weights have an axis of its one head to lose, and its Y a 0 for
+  value_size: both leave through such Reshapes. multi_head's Y is sized right (num_hiddens is a number).
 """
 
 from __future__ import annotations
@@ -113,25 +116,21 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
         k = g.linear(keys, module.W_k, "W_k")
         v = g.linear(values, module.W_v, "W_v")
     # 3-D Q, K, V: the node splits the last axis into heads and joins them again in Y, as
-    # MultiHeadAttention's _split_heads and its transpose-reshape do.
-    y, scores = "attended", "weights"
+    # MultiHeadAttention's _split_heads and its transpose-reshape do. Its weights are (batch, heads,
+    # n_q, n_k): multi_head's output as it is; dot_product's without the axis of its one head.
+    y, scores = "attended", "weights" if kind == "dot_product" else "attention_weights"
     g.op("Attention", [q, k, v, mask], [y, "", "", scores], q_num_heads=heads, kv_num_heads=heads,
          qk_matmul_output_mode=3)
 
-    # Shapes for the outputs' Reshapes, from the inputs.
-    if kind == "dot_product":
+    if kind == "dot_product":  # Reshapes to shapes from the inputs
         batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
         value_size = g.op("Shape", [values], "value_size", start=2, end=3)
         out_shape = g.op("Concat", [batch_n_q, value_size], "out_shape", axis=0)
         weights_shape = g.op("Concat", [batch_n_q, n_k_1], "weights_shape", axis=0)
         g.op("Reshape", [y, out_shape], "outputs")
+        g.op("Reshape", [scores, weights_shape], "attention_weights")
     else:  # Y's last axis is num_hiddens, a number: shape inference sizes it right
         g.linear(y, module.W_o, "W_o", output="outputs")
-        batch = g.op("Shape", [queries], "batch", start=0, end=1)
-        n_q = g.op("Shape", [queries], "n_q", start=1, end=2)
-        weights_shape = g.op("Concat", [batch, g.const("heads", np.array([heads], np.int64)), n_q, n_k_1],
-                             "weights_shape", axis=0)
-    g.op("Reshape", [scores, weights_shape], "attention_weights")
 
     graph = helper.make_graph(
         g.nodes, f"{kind}_fused",

@@ -161,6 +161,22 @@ def signature(kind: str, hp: dict[str, Any]) -> tuple[list[TensorSpec], list[Ten
     return inputs, outputs
 
 
+# ONNX Runtime's log severity for a session of a model.cpu.onnx: errors only. onnx's shape inference (1.23)
+# of `Attention` sizes the weights' last axis 0 where n_k is symbolic; where those weights leave the graph as
+# the node made them (multi_head, self_attention; export.fused), ONNX Runtime takes the 0 for the output's
+# shape and warns at every run that the real one differs (VerifyOutputSizes): a line a run, about nothing.
+CPU_GRAPH_LOG_SEVERITY = 3
+
+
+def shape_agrees(reported: list[int | str], declared: tuple[int | str, ...] | list[int | str]) -> bool:
+    """Whether the shape ONNX Runtime reports for a graph's input or output (a session's
+    `get_outputs()[i].shape`) is the one config.json declares, axis for axis: the same size, the same name,
+    or 0 where config.json names the axis (what onnx's shape inference of `Attention` makes of a symbolic
+    size, CPU_GRAPH_LOG_SEVERITY)."""
+    return len(reported) == len(declared) and all(
+        r == d or (r == 0 and isinstance(d, str)) for r, d in zip(reported, declared, strict=True))
+
+
 def valid_lens_2d(valid_lens: Any, batch: int, n_q: int, n_k: int) -> np.ndarray:
     """The graph's `(batch, n_q)` int64 valid lengths from None, `(batch,)` or `(batch, n_q)`.
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from export.build import make_inputs
 from export.errors import ValidationError
-from export.repository import signature, valid_lens_2d
+from export.repository import CPU_GRAPH_LOG_SEVERITY, CPU_MODEL_FILE, signature, valid_lens_2d
 
 __all__ = ["Case", "TOLERANCE", "sweep", "validate"]
 
@@ -119,7 +119,10 @@ def validate(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> in
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:
         raise ValidationError(f"onnx.checker rejected {path}: {e}") from e
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if path.name == CPU_MODEL_FILE:
+        options.log_severity_level = CPU_GRAPH_LOG_SEVERITY
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     cases = sweep(kind, hp)
     for i, case in enumerate(cases):
         run_case(module, session, kind, hp, case, seed=i)

@@ -31,6 +31,7 @@ import onnxruntime as ort
 
 from export.repository import (
     CONFIG_FILE,
+    CPU_GRAPH_LOG_SEVERITY,
     NAME_RULE,
     ModelConfig,
     TensorSpec,
@@ -39,6 +40,7 @@ from export.repository import (
     list_versions,
     read_config,
     sha256_of,
+    shape_agrees,
 )
 from export.repository import model_dir as folder_of
 from service.core.statistics import ModelStatistics
@@ -233,7 +235,12 @@ def _check_signature(model: LoadedModel) -> None:
     want_in = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.input_specs()]
     got_out = [(o.name, o.type, list(o.shape)) for o in model.session.get_outputs()]
     want_out = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.output_specs()]
-    if got_in != want_in or got_out != want_out:
+
+    def agree(got: list[tuple[str, str, list]], want: list[tuple[str, str, list]]) -> bool:
+        return len(got) == len(want) and all(g[:2] == w[:2] and shape_agrees(g[2], w[2])
+                                             for g, w in zip(got, want, strict=False))
+
+    if not (agree(got_in, want_in) and agree(got_out, want_out)):
         raise StartupError(
             f"model {model.name}: the graph's inputs/outputs {got_in + got_out} do not match config.json "
             f"{want_in + want_out}"
@@ -293,8 +300,11 @@ def _check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int
 def _open(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], intra_op_threads: int,
           providers: list[Any]) -> tuple[ort.InferenceSession, str]:
     """A session on `graph`, and why CUDA was not loaded, where it was asked for."""
+    options = _session_options(intra_op_threads)
+    if graph != config.graph_for(cpu=False):  # a model.cpu.onnx (export.repository.CPU_GRAPH_LOG_SEVERITY)
+        options.log_severity_level = CPU_GRAPH_LOG_SEVERITY
     try:
-        return _new_session(model_dir / graph[0], _session_options(intra_op_threads), providers)
+        return _new_session(model_dir / graph[0], options, providers)
     except Exception as e:
         raise StartupError(f"model {config.name}: ONNX Runtime cannot load {model_dir.name}/{graph[0]}: "
                            f"{_without_paths(str(e), model_dir)}") from e

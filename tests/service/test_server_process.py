@@ -35,6 +35,23 @@ def test_real_process_serves_the_toy_example(repository):
         assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
 
 
+def test_the_attention_graphs_run_without_a_line_in_the_log(repository, tmp_path):
+    """multi_head's and self_attention's CPU graphs return the weights as the `Attention` node makes them,
+    whose n_k onnx's shape inference sizes 0: ONNX Runtime would warn at every run that the real shape is
+    not that (export.repository.CPU_GRAPH_LOG_SEVERITY). Nothing of it reaches the service's log."""
+    log = tmp_path / "service.log"
+    rng = np.random.default_rng(0)
+    with running_service(repository, log_path=log) as (url, _), httpx.Client(base_url=url, timeout=10) as http:
+        for n in (3, 7):
+            x = rng.normal(size=(2, n, 100)).tolist()
+            for body in ({"model": "multi_head", "queries": x, "keys": x, "values": x, "valid_lens": [2, n]},
+                         {"model": "self_attention", "queries": x, "valid_lens": [1, n]}):
+                response = http.post("/attend", json=body)
+                assert response.status_code == 200, response.text
+                assert np.shape(response.json()["attention_weights"]) == (2, 5, n, n)
+    assert log.read_text() == ""  # ATTEND_LOG_LEVEL=warning: no line at all
+
+
 def test_missing_repository_stops_the_process_with_the_reason(tmp_path):
     env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere"), "ATTEND_DEVICE": "cpu"}
     result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
