@@ -14,7 +14,15 @@ from export.build import build_module
 from export.cli import main
 from export.errors import ExportError, ValidationError
 from export.fused import FUSED_KINDS, fused_graph
-from export.repository import CONFIG_FILE, KINDS, default_hyperparameters, read_config, sha256_of, shape_agrees
+from export.repository import (
+    CONFIG_FILE,
+    CPU_GRAPH_LOG_SEVERITY,
+    KINDS,
+    default_hyperparameters,
+    read_config,
+    sha256_of,
+    shape_agrees,
+)
 from export.validate import run_case, sweep
 from tests import book
 from tests.export.test_export import _extra_cases
@@ -25,7 +33,9 @@ pytestmark = pytest.mark.slow
 
 def _session(path_or_model):
     source = path_or_model.SerializeToString() if isinstance(path_or_model, onnx.ModelProto) else str(path_or_model)
-    return ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = CPU_GRAPH_LOG_SEVERITY  # as the service runs it
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
