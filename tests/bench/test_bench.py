@@ -158,6 +158,22 @@ def test_the_service_answers_each_pool_under_the_load_generator(tmp_path, reposi
         assert not point.ok and point.requests == 0 and point.failed > 0 and set(point.statuses) == {"NOT_FOUND"}
 
 
+def test_the_plain_server_answers_every_pool_without_a_line_on_stderr(tmp_path, repository):
+    """The baseline pays for nothing the service does not: ONNX Runtime's warning at every run of the CPU
+    graphs whose weights' n_k it takes for 0 (multi_head, self_attention) would be a write a request."""
+    import httpx
+
+    log = tmp_path / "plain.log"
+    with running_service(repository, command=run.PLAIN, ready_path="/docs", log_path=log,
+                         PLAIN_REPOSITORY=str(repository)) as (url, _):
+        for name in ("W1", "W3", "W5", "W6", "W7"):
+            for body in pools.WORKLOADS[name].bodies(count=4):
+                response = httpx.post(f"{url}/attend", content=pools.attend_json(body)[1],
+                                      headers={"content-type": "application/json"}, timeout=30)
+                assert response.status_code == 200, (name, response.text[:200])
+    assert log.read_text() == ""
+
+
 def test_grpc_pool_holds_each_body_as_a_model_infer_request(tmp_path):
     from tritonclient.grpc import service_pb2
 
