@@ -25,8 +25,8 @@ The graph takes what the traced one takes and answers the same, name for name an
   (`export.repository.shape_agrees`), and runs the graph at log severity "error", since ONNX Runtime
   warns at every run that the real shape is not 0 (`CPU_GRAPH_LOG_SEVERITY`). A Reshape to a shape
   computed from the inputs would name the axis, at the cost of a copy of the weights (ONNX Runtime
-  copies where a Reshape's output is the graph's): 10-12% of multi_head's time from n = 512 on
-  (docs/benchmarks.md). dot_product's weights have an axis of its one head to lose, and its Y a 0 for
+  copies where a Reshape's output is the graph's; docs/benchmarks.md, "Compute", has multi_head's time
+  with and without it). dot_product's weights have an axis of its one head to lose, and its Y a 0 for
   value_size: both leave through such Reshapes. multi_head's Y is sized right (num_hiddens is a number).
 """
 
