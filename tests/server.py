@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,12 +58,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[str] = (), log_path: Path | None = None,
                     command: Sequence[str] | None = None, ready_path: str = "/health/ready",
-                    **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+                    stop_timeout: float = 20.0, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yield (base URL, process) once `ready_path` answers 200; stop the process afterwards.
 
     `prefix` goes before the command (e.g. `taskset -c 0`); `command` replaces `python -m service`,
     with `{port}` in it replaced by the port. The log goes to a file (`log_path`, or a temporary one),
-    not a pipe nobody reads, which a long run would fill until the service blocks on it.
+    not a pipe nobody reads, which a long run would fill until the service blocks on it. A process still
+    running `stop_timeout` seconds after the SIGTERM at the end is reported (`report_hung`) and killed.
     """
     port = free_port()
     # gRPC off unless asked for (ATTEND_GRPC_PORT=<a free port>): two services on one machine would both
@@ -94,8 +96,40 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=stop_timeout)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                report_hung(proc, log)
+                for pid in (*children(proc.pid), proc.pid):  # its workers too: they would outlive it
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (a supervisor's workers), from /proc (their parent's pid, the field after
+    the command's closing parenthesis)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def report_hung(proc: subprocess.Popen, log) -> None:
+    """A service that did not stop on SIGTERM: every thread's stack of it and of its workers (py-spy),
+    and the end of its log, on stderr, where the failing test's report shows them."""
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    for pid in (proc.pid, *children(proc.pid)):
+        try:
+            dump = subprocess.run([py_spy or "py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=30)
+            stacks = dump.stdout or dump.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            stacks = f"(no stacks: {e})"
+        print(f"--- process {pid}, still running after SIGTERM:\n{stacks}", file=sys.stderr)
+    log.flush()
+    log.seek(0)
+    print(f"--- the end of its log:\n{log.read()[-6000:]}", file=sys.stderr)

@@ -219,3 +219,45 @@ def test_a_client_gone_while_queued_is_dropped_unrun_over_real_http(repository):
     assert 'attend_client_gone_total{model="dot_product"} 1.0' in metrics, counts
     assert 'attend_requests_total{model="dot_product",protocol="http",status="499"} 1.0' in metrics
     assert 'attend_batch_requests_count{model="dot_product"} 3.0' in metrics  # the long runs only
+
+
+HANGS = """
+import http.server, os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a service that does not stop
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a worker of it
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+print("child", child.pid, file=sys.stderr, flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready).serve_forever()
+"""
+
+
+def test_a_service_that_does_not_stop_is_reported_with_its_stacks_and_killed_with_its_workers(tmp_path, capfd):
+    """What a test gets when the service it started hangs on SIGTERM: the stacks of every thread of it
+    and of its workers, and its log's end, in its report; and no process of it left behind."""
+    log = tmp_path / "service.log"
+    with running_service(tmp_path, command=[sys.executable, "-c", HANGS, "{port}"], log_path=log,
+                         stop_timeout=1) as (url, proc):
+        assert httpx.get(f"{url}/health/ready").status_code == 200
+    child = int(re.search(r"child (\d+)", log.read_text()).group(1))
+    assert proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    report = capfd.readouterr().err
+    assert f"--- process {proc.pid}, still running" in report and f"--- process {child}, still running" in report
+    assert "serve_forever" in report  # py-spy's stack of the main thread
+    assert "--- the end of its log:\nchild " in report
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped by whoever adopted it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
