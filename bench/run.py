@@ -48,7 +48,7 @@ from loadgen import LOAD_CPU, measure  # noqa: E402
 from pools import DEFAULT_ROWS, FRONT_DOORS, ROWS, SEED, TRANSPORTS, WORKLOADS, make_pools, v2_binary  # noqa: E402
 
 from tests.load.report import write_section  # noqa: E402
-from tests.server import free_port, running_service  # noqa: E402
+from tests.server import free_port, proc_stat, running_service  # noqa: E402
 
 SERVER_CPU = 0
 PIN = ("taskset", "-c", str(SERVER_CPU))
@@ -72,20 +72,22 @@ def service_env(batching: bool, extra: dict[str, str]) -> dict[str, str]:
 PLAIN = (sys.executable, "-m", "uvicorn", "bench.plain_server:app", "--port", "{port}", "--log-level", "warning")
 
 
-def server(kind: str, repository: Path, extra: dict[str, str], grpc_port: int = 0, device: str = "cpu"):
+def server(kind: str, repository: Path, extra: dict[str, str], grpc_port: int = 0, device: str = "cpu",
+           log_path: Path | None = None):
     """A server to measure, started the same way for each kind: pinned to the server core, a fresh
     process. `kind` is "plain" (bench/plain_server.py), "on" or "off" (the service, batching on/off);
-    the service's gRPC server listens on `grpc_port` (0: off). Both run on `device` ("cpu" or "cuda")."""
+    the service's gRPC server listens on `grpc_port` (0: off). Both run on `device` ("cpu" or "cuda"),
+    their stderr into `log_path` (default: a temporary file)."""
     if kind == "plain":
-        return running_service(repository, prefix=PIN, command=PLAIN, ready_path="/docs",
+        return running_service(repository, prefix=PIN, command=PLAIN, ready_path="/docs", log_path=log_path,
                                PLAIN_REPOSITORY=str(repository), PLAIN_DEVICE=device)
-    return running_service(repository, prefix=PIN, **service_env(
+    return running_service(repository, prefix=PIN, log_path=log_path, **service_env(
         kind == "on", {"ATTEND_GRPC_PORT": str(grpc_port), "ATTEND_DEVICE": device, **extra}))
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -106,16 +107,46 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
         log.close()
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command (which may hold spaces and parentheses): state,
+    parent's pid, ...; utime and stime are [11] and [12]. OSError where the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def children(pid: int) -> list[int]:
-    """The processes `pid` started (a supervisor's workers), from /proc (their parent's pid, the field after
-    the command's closing parenthesis)."""
+    """The processes `pid` started (a supervisor's workers)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError):
-                if int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                if int(proc_stat(entry.name)[1]) == pid:
                     found.append(int(entry.name))
     return found
+
+
+@contextlib.contextmanager
+def graceful_in_thread(app) -> Iterator[tuple[Any, Any]]:
+    """The service's own server (GracefulServer, at the settings `app` was built with, on the asyncio loop)
+    serving `app` in a thread of this process: no signal handlers of its own (not the main thread). Yields
+    (server, thread) once started; tells it to exit afterwards and waits for the thread (30 s at most)."""
+    import threading
+
+    import uvicorn
+
+    from service.http.server import GracefulServer, uvicorn_options
+
+    server = GracefulServer(uvicorn.Config(app, **uvicorn_options(app.state.settings) | {"loop": "asyncio"}), app)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield server, thread
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def report_hung(proc: subprocess.Popen, log) -> None:

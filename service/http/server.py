@@ -126,11 +126,9 @@ class GracefulServer(uvicorn.Server):
         # (test_workers, SIGTERM under load). The readiness and the log line are the loop's next turn;
         # uvicorn's own part sets two attributes.
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop().call_soon_threadsafe(self._stop_accepting, sig)
         except RuntimeError:  # not serving (yet, or any more): nothing to turn off
-            loop = None
-        if loop is not None:
-            loop.call_soon_threadsafe(self._stop_accepting, sig)
+            pass
         super().handle_exit(sig, frame)
 
     def _stop_accepting(self, sig: int) -> None:

@@ -164,8 +164,7 @@ def test_the_plain_server_answers_every_pool_without_onnx_runtimes_warnings(tmp_
     import httpx
 
     log = tmp_path / "plain.log"
-    with running_service(repository, command=run.PLAIN, ready_path="/docs", log_path=log,
-                         PLAIN_REPOSITORY=str(repository)) as (url, _):
+    with run.server("plain", repository, {}, log_path=log) as (url, _):
         for name in ("W1", "W3", "W5", "W6", "W7"):
             for body in pools.WORKLOADS[name].bodies(count=4):
                 response = httpx.post(f"{url}/attend", content=pools.attend_json(body)[1],

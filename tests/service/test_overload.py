@@ -352,23 +352,12 @@ def test_the_transport_takes_its_limits_from_the_apps_settings(settings, monkeyp
     """An app built with other settings than the environment's: the connection guard's limits are the
     app's (GracefulServer hands its protocol a guard of the app's settings), and a refusal under /v2
     has the Open Inference Protocol's error body."""
-    import uvicorn
-
     from service.http.app import create_app
-    from service.http.server import GracefulServer, uvicorn_options
-    from tests.server import free_port
+    from tests.server import free_port, graceful_in_thread
 
     monkeypatch.delenv("ATTEND_MAX_HEADER_BYTES", raising=False)  # the environment's: 64 KiB
     small = settings.model_copy(update={"max_header_bytes": 2048, "port": free_port()})
-    app = create_app(small)
-    server = GracefulServer(uvicorn.Config(app, **uvicorn_options(small) | {"loop": "asyncio"}), app)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
+    with graceful_in_thread(create_app(small)):
         url = f"http://127.0.0.1:{small.port}"
         for path, body_of in (("/attend", lambda b: b["error"]["code"]), ("/v2/models/additive/infer", set)):
             sock = connect(url)
@@ -378,6 +367,3 @@ def test_the_transport_takes_its_limits_from_the_apps_settings(settings, monkeyp
             assert status == 431, (path, status, body)
             assert body_of(json.loads(body)) in ("headers_too_large", {"error"}), body
         assert httpx.get(f"{url}/health/live").status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)

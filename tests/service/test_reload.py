@@ -16,6 +16,7 @@ import pytest
 
 from export.cli import main as export
 from tests.server import running_service
+from tests.service.test_observability import parse, value
 
 pytestmark = pytest.mark.slow
 
@@ -227,8 +228,7 @@ def test_model_control_is_an_admin_operation(repo):
 
 
 def frozen(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return float(re.search(r"^python_gc_frozen_objects (\S+)$", text, re.M).group(1))
+    return value(parse(httpx.get(f"{url}/metrics", timeout=10).text), "python_gc_frozen_objects")
 
 
 def test_what_the_process_froze_at_start_is_collectable_again_once_a_model_is_replaced(repo):

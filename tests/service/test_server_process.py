@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from service.http.schemas import toy_request
-from tests.server import ROOT, running_service
+from tests.server import ROOT, proc_stat, running_service
 
 pytestmark = pytest.mark.slow
 
@@ -258,7 +258,6 @@ def test_a_service_that_does_not_stop_is_reported_with_its_stacks_and_killed_wit
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, killed and not yet reaped by whoever adopted it, does not)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
+        return proc_stat(pid)[0] != "Z"
+    except OSError:
         return False

@@ -14,21 +14,14 @@ import uvicorn
 from uvicorn.supervisors import multiprocess
 
 from service.http.app import create_app
-from service.http.server import GracefulServer, Supervisor, uvicorn_options
-from tests.server import free_port
+from service.http.server import Supervisor
+from tests.server import free_port, graceful_in_thread
 
 
 def test_sigterm_on_a_loop_that_holds_the_metrics_lock_turns_readiness_off(settings):
     app = create_app(settings.model_copy(update={"port": free_port()}))
-    server = GracefulServer(uvicorn.Config(app, **uvicorn_options(app.state.settings) | {"loop": "asyncio"}), app)
-    thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no handlers installed
-    thread.start()
     url = f"http://127.0.0.1:{app.state.settings.port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
+    with graceful_in_thread(app) as (server, thread):  # not the main thread: no handlers installed
         assert httpx.get(f"{url}/health/ready").status_code == 200
         dataplane = app.state.dataplane
         lock = dataplane.metrics.ready._value._lock  # the readiness gauge's (a MutexValue's)
@@ -51,9 +44,6 @@ def test_sigterm_on_a_loop_that_holds_the_metrics_lock_turns_readiness_off(setti
         while dataplane.ready and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not dataplane.ready and dataplane.metrics.ready._value.get() == 0
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
     assert not thread.is_alive()
 
 
