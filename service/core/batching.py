@@ -122,31 +122,50 @@ class Job:
         self.axes, self.rows, self.n_q, self.n_k, self.key, self.cost, self.shape, self.elements = sizes
 
 
+@dataclass(frozen=True, slots=True)
+class _SizePlan:
+    """Where a model's Job sizes come from, worked out once per snapshot (LoadedModel.derived)."""
+
+    reads: tuple[tuple[str, int, str], ...]  # (input, position, axis): the request's size of each named axis
+    fixed: tuple[str, ...]  # the axes no batch pads (`_fixed_axes`), in the order of `reads`
+    others: tuple[str, ...]  # the axes but batch, in that order (Job.shape)
+    outputs: tuple[tuple[int, tuple[str, ...], bool], ...]  # an output's fixed sizes' product, its named axes,
+    # whether it is the attention weights
+
+    @staticmethod
+    def of(model: LoadedModel) -> _SizePlan:
+        plan = model.derived.get("job sizes")
+        if plan is None:
+            reads = tuple((name, i, axis) for name, named in model.named_input_axes for i, axis in named)
+            order = list(dict.fromkeys(axis for _, _, axis in reads))
+            fixed = _fixed_axes(model)
+            outputs = tuple((math.prod(d for d in spec.shape if d.__class__ is int),
+                             tuple(d for d in spec.shape if d.__class__ is str), spec.name == "attention_weights")
+                            for spec in model.outputs)
+            plan = model.derived["job sizes"] = _SizePlan(reads, tuple(a for a in order if a in fixed),
+                                                          tuple(a for a in order if a != "batch"), outputs)
+        return plan
+
+
 def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, int, tuple[int, ...], int]:
     """A Job's axes, rows, n_q, n_k, key, what its arrays, run and answer cost in memory
     (service.core.cost.answer), shape and elements, from its request's shapes."""
-    model = request.model
+    plan = _SizePlan.of(request.model)
     feed = request.feed
-    axes: dict[str, int] = {}
-    for name, named in model.named_input_axes:
-        shape = feed[name].shape
-        for i, axis in named:
-            axes[axis] = shape[i]
+    axes = {axis: feed[name].shape[i] for name, i, axis in plan.reads}
     n_q = axes.get("n_q") or axes["n"]
     # The second length of a run's cost: keys, or for the positional encoding its features.
     n_k = axes.get("n_k") or axes.get("d") or n_q
-    fixed = _fixed_axes(model)
-    key = tuple(size for name, size in axes.items() if name in fixed)
-    elements = sum(a.size for a in feed.values())
+    elements = sum([a.size for a in feed.values()])
     outputs = weights = 0
-    for spec in model.outputs:
-        size = math.prod(axes[d] if d.__class__ is str else d for d in spec.shape)
+    for fixed, named, is_weights in plan.outputs:
+        size = fixed * math.prod([axes[d] for d in named])
         outputs += size
-        if spec.name == "attention_weights":
+        if is_weights:
             weights = size
     cost = answer(elements, outputs, weights)
-    shape = tuple(size for name, size in axes.items() if name != "batch")
-    return axes, axes["batch"], n_q, n_k, key, cost, shape, elements + outputs
+    return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), cost,
+            tuple([axes[a] for a in plan.others]), elements + outputs)
 
 
 def _heads(model: LoadedModel) -> int:

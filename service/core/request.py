@@ -166,9 +166,97 @@ def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens
     return Request(model=model, feed=feed, return_weights=return_weights)
 
 
+@dataclass(frozen=True, slots=True)
+class _FeedPlan:
+    """A model's float inputs' signature, read once per snapshot (LoadedModel.derived), for the one
+    check of a request's shapes that passes (`_checked_feed`): the shapes of its inputs one after the other
+    (`joined`), what sizes the signature fixes at which places of it, and where each named axis is."""
+
+    names: tuple[str, ...]  # the float inputs (not the valid lengths)
+    ndims: tuple[int, ...]
+    fixed: tuple[tuple[int, int], ...]  # (place in joined, size)
+    same: tuple[tuple[int, int], ...]  # (place, place of the axis' first occurrence): equal sizes
+    batch: int  # places of the first occurrence of batch, n_q (or n), n_k (or n)
+    n_q: int
+    n_k: int
+    d: int | None  # of the positional encoding (even)
+    features: tuple[int, ...]  # places of the feature sizes ATTEND_MAX_FEATURES bounds
+    heads: int | None  # of the attention weights' elements; None: no weights
+    max_len: int | None
+
+    @staticmethod
+    def of(model: LoadedModel) -> _FeedPlan:
+        plan = model.derived.get("feed")
+        if plan is None:
+            specs = [s for s in model.inputs() if s.name != "valid_lens"]
+            fixed, same, first, features, place = [], [], {}, [], 0
+            for spec in specs:
+                for size in spec.shape:
+                    if size.__class__ is int:
+                        fixed.append((place, size))
+                    elif size in first:
+                        same.append((place, first[size]))
+                    else:
+                        first[size] = place
+                    place += 1
+                if spec.shape[-1] not in SEQUENCE_AXES:
+                    features.append(place - 1)
+            hp = model.config.hyperparameters
+            plan = model.derived["feed"] = _FeedPlan(
+                tuple(s.name for s in specs), tuple(len(s.shape) for s in specs), tuple(fixed), tuple(same),
+                first["batch"], first.get("n_q", first.get("n", -1)), first.get("n_k", first.get("n", -1)),
+                first.get("d") if model.kind == "positional_encoding" else None, tuple(features),
+                int(hp.get("num_heads", 1)) if "attention_weights" in model.output_names else None,
+                hp.get("max_len"))
+        return plan
+
+    def check(self, tensors: dict[str, np.ndarray], limits: RequestLimits, finite_float32: bool
+              ) -> tuple[dict[str, np.ndarray], tuple[int, int, int]] | None:
+        """The feed and (batch, n_q, n_k) where every check passes; None where one does not (the
+        caller's long way says which)."""
+        feed = {}
+        joined: tuple[int, ...] = ()
+        for name, ndim in zip(self.names, self.ndims, strict=True):
+            arr = tensors[name]
+            if arr.ndim != ndim or not arr.size:
+                return None
+            if not finite_float32:
+                arr = arr.astype(np.float32, copy=False)
+                if not finite(arr):
+                    return None
+            feed[name] = arr
+            joined += arr.shape
+        for place, size in self.fixed:
+            if joined[place] != size:
+                return None
+        for place, other in self.same:
+            if joined[place] != joined[other]:
+                return None
+        batch = joined[self.batch]
+        n_q = joined[self.n_q] if self.n_q >= 0 else 0
+        n_k = joined[self.n_k] if self.n_k >= 0 else 0
+        if batch > limits.batch or n_q > limits.sequence or n_k > limits.sequence \
+                or (self.max_len is not None and n_q > self.max_len) or (self.d is not None and joined[self.d] % 2):
+            return None
+        for place in self.features:
+            if joined[place] > limits.features:
+                return None
+        if self.heads is not None and batch * self.heads * n_q * n_k > limits.weight_elements:
+            return None
+        return feed, (batch, n_q, n_k)
+
+
 def _checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits, finite_float32: bool
                   ) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
-    """`build_request`'s feed but the valid lengths, and its (batch, n_q, n_k)."""
+    """`build_request`'s feed but the valid lengths, and its (batch, n_q, n_k): the signature's one check
+    (`_FeedPlan`), and where it fails the long way, which says why."""
+    checked = _FeedPlan.of(model).check(tensors, limits, finite_float32)
+    return checked if checked is not None else _checked_feed_long(model, tensors, limits, finite_float32)
+
+
+def _checked_feed_long(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits,
+                       finite_float32: bool) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
+    """`_checked_feed` input by input, axis by axis: the first check that fails raises, naming the field."""
     bound: dict[str, int] = {}
     first_seen: dict[str, str] = {}
     feed: dict[str, np.ndarray] = {}

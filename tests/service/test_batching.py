@@ -24,6 +24,7 @@ from service.core.batching import (
     merge,
     run_batch,
 )
+from service.core.cost import answer
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.core.metrics import Metrics
 from service.core.request import Request
@@ -223,15 +224,18 @@ def test_jobs_merge_unless_a_size_is_fixed_by_the_graph(reference):
 
 def test_a_jobs_elements_are_its_runs(reference, registry):
     """Job.elements (what RunCost prices) is the elements of the request's run, inputs and outputs, and
-    the batcher's count of a merged run's is that of the merged feed and its outputs."""
+    the batcher's count of a merged run's is that of the merged feed and its outputs; Job.cost (what its
+    memory is priced at) is service.core.cost.answer of its inputs, outputs and attention weights."""
     rng = np.random.default_rng(4)
     for kind in ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding"):
         jobs = [Job(reference.decode(b), 0.0) for b in mixed_bodies(kind, 5, seed=int(rng.integers(100)))]
         model = jobs[0].request.model
         for job in jobs:
             outputs = model.run(job.request.feed)
-            assert job.elements == sum(a.size for a in job.request.feed.values()) + sum(
-                a.size for a in outputs.values())
+            inputs = sum(a.size for a in job.request.feed.values())
+            assert job.elements == inputs + sum(a.size for a in outputs.values())
+            weights = outputs["attention_weights"].size if "attention_weights" in outputs else 0
+            assert job.cost == answer(inputs, sum(a.size for a in outputs.values()), weights)
         feed = merge(model, jobs)
         widest = tuple(max(s) for s in zip(*(j.shape for j in jobs), strict=True))
         batched, unbatched = _terms(model)

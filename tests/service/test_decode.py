@@ -253,3 +253,75 @@ def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(r
     large = decode.parse(b'{"values": [[[' + b",".join([b"1.0"] * 20_000) + b']]]}')
     assert len(made) == 3 and large["values"].as_list()[0][0][:2] == [1.0, 1.0]
     assert type(third["values"]) is simdjson.Array and third["values"].as_list() == [[[4.0]]]
+
+
+def _feed_cases(model, rng):
+    """Tensors for `model`'s float inputs: its signature's shapes, and each way one of them can be off
+    (a fixed size, a named axis that disagrees, an empty or a 2-D array, a non-finite number, sizes at
+    and past each limit, an odd positional d, n past max_len)."""
+    specs = [s for s in model.inputs() if s.name != "valid_lens"]
+    for _ in range(60):
+        sizes = {axis: int(rng.integers(1, 7)) for s in specs for axis in s.shape if axis.__class__ is str}
+        if model.kind == "positional_encoding":
+            sizes["d"] += sizes["d"] % 2
+        if rng.random() < 0.3:  # large enough for the limits below
+            sizes[rng.choice(sorted(sizes))] = int(rng.integers(7, 40))
+        max_len = model.config.hyperparameters.get("max_len")
+        if max_len is not None and rng.random() < 0.1:
+            sizes["n"] = max_len + int(rng.integers(0, 2))
+        shapes = {s.name: [sizes[a] if a.__class__ is str else a for a in s.shape] for s in specs}
+        tensors = {name: rng.standard_normal(shape) for name, shape in shapes.items()}
+        yield tensors
+        name = specs[int(rng.integers(len(specs)))].name
+        for off in ("axis", "empty", "2-D", "inf"):
+            bad = dict(tensors)
+            arr = bad[name]
+            if off == "axis":
+                axis = int(rng.integers(arr.ndim))
+                arr = np.zeros(arr.shape[:axis] + (arr.shape[axis] + 1,) + arr.shape[axis + 1:])
+            elif off == "empty":
+                arr = arr[:, :0]
+            elif off == "2-D":
+                arr = arr[0]
+            else:
+                arr = arr.copy()
+                arr.flat[0] = 1e39  # beyond float32
+            bad[name] = arr
+            yield bad
+
+
+def test_the_signatures_one_check_agrees_with_the_long_way(registry):
+    """request._FeedPlan's check of a request's float inputs (one pass, once per snapshot's signature)
+    passes exactly what the long way (_checked_feed_long, axis by axis, naming the field) passes, with the
+    same feed and lengths, under several limits, for casts by it and for checked float32; where it does
+    not, the long way raises."""
+    from service.core import request
+
+    rng = np.random.default_rng(7)
+    limits = [decode.RequestLimits(), decode.RequestLimits(batch=3, sequence=5, features=20, weight_elements=200),
+              decode.RequestLimits(sequence=30, features=6, weight_elements=2000),
+              decode.RequestLimits(features=200, weight_elements=300)]
+    passed = failed = 0
+    for name in registry.names():
+        model = registry.get(name)
+        plan = request._FeedPlan.of(model)
+        for tensors in _feed_cases(model, rng):
+            for limit in limits:
+                for checked in (False, True):
+                    given = {k: v.astype(np.float32) if checked else v for k, v in tensors.items()}
+                    if checked and not all(np.isfinite(v).all() for v in given.values()):
+                        continue  # the caller vouches for finite float32
+                    fast = plan.check(given, limit, checked)
+                    try:
+                        long = request._checked_feed_long(model, given, limit, checked)
+                    except ServiceError:
+                        assert fast is None, (name, {k: v.shape for k, v in given.items()}, limit)
+                        failed += 1
+                        continue
+                    assert fast is not None, (name, {k: v.shape for k, v in given.items()}, limit)
+                    assert fast[1] == long[1] and fast[0].keys() == long[0].keys()
+                    for key, arr in long[0].items():
+                        assert fast[0][key].dtype == arr.dtype == np.float32
+                        assert np.array_equal(fast[0][key], arr)
+                    passed += 1
+    assert passed > 300 and failed > 300, (passed, failed)
