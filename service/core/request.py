@@ -105,13 +105,13 @@ def _check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -
     if lens is None:
         return valid_lens_2d(None, batch, n_q, n_k)
     field = "valid_lens"
-    shapes = f"null, [batch] = [{batch}] or [batch, n_q] = [{batch}, {n_q}]"
     if lens.shape not in ((batch,), (batch, n_q)):
         raise InvalidShape(f"valid_lens must have shape [batch] or [batch, n_q], got {list(lens.shape)}", field=field,
-                           expected=shapes, received=list(lens.shape))
+                           expected=f"null, [batch] = [{batch}] or [batch, n_q] = [{batch}, {n_q}]",
+                           received=list(lens.shape))
     if lens.size <= 64:  # a few lengths: plain Python is several times faster than NumPy's calls
         values = lens.ravel().tolist()
-        whole = all(v.is_integer() for v in values) if lens.dtype.kind == "f" else True
+        whole = all(map(float.is_integer, values)) if lens.dtype.kind == "f" else True
         low, high = (min(values), max(values)) if values else (0, 0)
     else:
         whole = lens.dtype.kind != "f" or bool((lens == np.floor(lens)).all())

@@ -323,34 +323,37 @@ def _small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
     size, and the book's examples are a few hundred numbers."""
     shapes: dict[str, tuple[int, ...]] = {}
     buffers = []
+    sizes = []
     lens = None
     for field in fields:
         node = data[field]
+        if node.__class__ is not simdjson.Array:
+            return None
         shape = _first_path_shape(node)
-        if shape is None or node.__class__ is not simdjson.Array:
+        if shape is None:
             return None
         try:
             buffer = node.as_buffer(of_type="d")
         except (TypeError, ValueError, RuntimeError):
             return None
-        if memoryview(buffer).nbytes != 8 * math.prod(shape):
+        size = math.prod(shape)
+        if buffer.size != 8 * size:  # bytes
             return None
         shapes[field] = shape
         if field == "valid_lens":
             lens = np.frombuffer(buffer, dtype=np.float64).reshape(shape)
         else:
             buffers.append(buffer)
+            sizes.append(size)
     if not _structure_matches(layout, data, shapes):
         return None
     flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
     if not _finite(flat):
         return None
     arrays, start = {}, 0
-    for field, shape in shapes.items():
-        if field != "valid_lens":
-            size = math.prod(shape)
-            arrays[field] = flat[start:start + size].reshape(shape)
-            start += size
+    for (field, shape), size in zip(shapes.items(), sizes, strict=False):  # valid_lens, where sent, is last
+        arrays[field] = flat[start:start + size].reshape(shape)
+        start += size
     return arrays, lens
 
 
