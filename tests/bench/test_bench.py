@@ -314,3 +314,78 @@ def test_the_gc_bench_times_the_collections_of_the_real_service(repository):
         requests, gen0, gen1, gen2, collected, us, slow = (float(x) for x in row[3:])
         assert requests > 100 and gen0 >= 0 and gen1 >= 0 and gen2 >= 0 and us >= 0 and slow >= 0, out
         assert collected < 1, out
+
+
+def _plain_line(needle: str) -> int:
+    """The line of bench/plain_server.py's route that holds `needle`."""
+    lines = (ROOT / "bench" / "plain_server.py").read_text().splitlines()
+    route = next(i for i, text in enumerate(lines) if text.startswith("async def attend"))
+    return next(i for i, text in enumerate(lines[route:], route + 1) if needle in text)
+
+
+def test_where_tells_each_stage_of_a_sample():
+    """bench/where.py's stage of a sample (its frames as py-spy writes them, outermost first): the service's
+    by function, the plain server's own lines by their source text, uvloop's C code by the loop's frame
+    being the innermost."""
+    import where
+
+    loop = ["<module> (/x/service/__main__.py:1)", "Server.run (/v/site-packages/uvicorn/server.py:86)",
+            "Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"]
+    asgi = [*loop, "RequestResponseCycle.run_asgi (/v/site-packages/uvicorn/protocols/http/httptools_impl.py:422)"]
+    ours = [*asgi, "InferenceEndpoint._serve (/x/service/http/endpoint.py:182)"]
+    decode = [*ours, "decode_body (/x/service/protocols/attend.py:530)"]
+    batch = [*ours, "Scheduler.submit (/x/service/core/batching.py:740)", "run_batch (/x/service/core/batching.py:316)"]
+    plain = str(ROOT / "bench" / "plain_server.py")
+    cases = {
+        "session run": [*batch, "LoadedModel.run (/x/service/core/runtime.py:136)",
+                        "Session.run (/v/site-packages/onnxruntime/capi/onnxruntime_inference_collection.py:395)"],
+        "JSON parse": [*decode, "parse (/x/service/protocols/attend.py:160)",
+                       "_document (/x/service/protocols/attend.py:148)"],
+        "arrays and checks": [*decode, "decode (/x/service/protocols/attend.py:491)",
+                              "_finite (/x/service/protocols/attend.py:259)"],
+        "JSON encode": [*batch, "encode_answer (/x/service/protocols/attend.py:648)",
+                        "encode_attend (/x/service/protocols/attend.py:641)"],
+        "batching": [*batch, "merge (/x/service/core/batching.py:299)"],
+        "socket write": [*ours, "send_body (/x/service/http/extensions.py:122)",
+                         "CoalescingTransport.write (/x/service/http/protocol.py:117)"],
+        "metrics and logs": [*ours, "log_access (/x/service/core/logs.py:187)"],
+        "HTTP, ASGI, framework": [*ours, "InferenceEndpoint.__call__ (/x/service/http/endpoint.py:117)"],
+        "event loop": loop,
+        "other": [*loop, "something (/x/elsewhere.py:1)"],
+    }
+    for needle, stage in (("orjson.loads", "JSON parse"), ("orjson.dumps", "JSON encode"),
+                          ("np.asarray", "arrays and checks")):
+        cases[f"plain {stage}"] = [*asgi, "FastAPI.__call__ (/v/site-packages/fastapi/applications.py:1)",
+                                   f"attend ({plain}:{_plain_line(needle)})"]
+    for name, stack in cases.items():
+        assert where.stage_of(stack) == name.removeprefix("plain "), name
+    assert where.stage_of([*asgi, "FastAPI.__call__ (/v/site-packages/fastapi/applications.py:1)",
+                           f"attend ({plain}:{_plain_line('name = data.get')})"]) == "HTTP, ASGI, framework"
+    raw = "\n".join(f"{';'.join(stack)} {n}" for n, stack in enumerate(cases.values(), 1))
+    raw += "\n_bootstrap (/usr/lib/python3.11/threading.py:1002);_worker (/x/thread.py:81) 99"  # another thread
+    samples = where.main_thread_samples(raw)
+    assert sum(samples.values()) == sum(range(1, len(cases) + 1)) and samples["session run"] == 1
+
+
+@pytest.mark.slow
+def test_where_splits_each_servers_cpu_a_request_into_its_stages(repository):
+    """bench/where.py on both real servers under wrk: a row a stage for each, its figures a split of the
+    event loop thread's CPU a request (the rows add up to it; the whole process's is at least as much), and
+    the stages every request goes through found in both servers' samples."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "where.py"), "--rows", "W1", "--concurrency", "16",
+                          "--seconds", "2", "--repository", str(repository)],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    table = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]]
+             for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| stage", "| ---"))}
+    import where
+
+    assert list(table)[:len(where.STAGES)] == list(where.STAGES), out
+    thread, process = table["event loop's thread, in all"], table["the process, in all"]
+    for i in range(2):  # plain, service
+        assert sum(table[s][i] for s in where.STAGES) == pytest.approx(thread[i], rel=0.02), out
+        assert 20 < thread[i] <= process[i] * 1.01 and table["samples of the thread"][i] > 100, out
+        for stage in ("session run", "JSON parse", "arrays and checks", "socket write", "HTTP, ASGI, framework"):
+            assert table[stage][i] > 0, (stage, out)
+    assert table["batching"][0] == 0 < table["batching"][1], out  # the plain server has none
