@@ -176,7 +176,7 @@ class _FeedPlan:
     ndims: tuple[int, ...]
     fixed: tuple[tuple[int, int], ...]  # (place in joined, size)
     same: tuple[tuple[int, int], ...]  # (place, place of the axis' first occurrence): equal sizes
-    batch: int  # places of the first occurrence of batch, n_q (or n), n_k (or n)
+    batch: int  # places of the first occurrence of batch, n_q (or n), n_k (or n); -1: the model has none
     n_q: int
     n_k: int
     d: int | None  # of the positional encoding (even)

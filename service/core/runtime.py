@@ -77,8 +77,8 @@ class LoadedModel:
     # (elements of a run's inputs and outputs, its seconds) of the warm-up's timed runs (`warm_up`): where the
     # batcher's cost model of this snapshot starts (service.core.batching.RunCost).
     run_times: list[tuple[int, float]] = dataclasses.field(default_factory=list, repr=False, compare=False)
-    # What the request path works out once per snapshot from its signature alone, by what it is for (the batcher's
-    # reading of a request's sizes: service.core.batching._SizePlan).
+    # What the request path works out once per snapshot from its signature alone, by what it is for: the check of
+    # a request's shapes (service.core.request._FeedPlan) and the batcher's reading of them (batching._SizePlan).
     derived: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
