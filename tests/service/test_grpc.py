@@ -84,11 +84,13 @@ def _typed_request(model, tensors, outputs=()):
     return request
 
 
-def _raw_request(model, tensors):
+def _raw_request(model, tensors, outputs=()):
     request = pb.ModelInferRequest(model_name=model)
     for name, array in tensors.items():
         request.inputs.add(name=name, shape=array.shape, datatype="INT64" if array.dtype == np.int64 else "FP32")
         request.raw_input_contents.append(array.tobytes())
+    for name in outputs:
+        request.outputs.add(name=name)
     return request
 
 
@@ -288,6 +290,26 @@ def test_errors_are_status_codes_naming_the_input(server):
     metrics = httpx.get(f"{url}/metrics").text
     assert 'attend_requests_total{model="additive",protocol="grpc",status="400"}' in metrics
     assert 'attend_requests_total{model="-",protocol="grpc",status="404"}' in metrics
+
+
+def test_the_per_request_limits_hold_over_grpc_in_both_forms_of_contents(server):
+    """ATTEND_MAX_WEIGHT_ELEMENTS (4 Mi at its default) for a message of a few KB: 1 x 2049 x 2049 weights,
+    as raw_input_contents and as typed contents; one query and key fewer is served (its outputs only: the
+    weights would be 16 MB, over the client's default message limit)."""
+    _, address = server
+    channel, stub = _stub(address)
+    with channel:
+        for n, served in ((2049, False), (2048, True)):
+            tensors = {name: np.ones((1, n, 1), dtype=np.float32) for name in ("queries", "keys", "values")}
+            for request in (_raw_request("dot_product", tensors, ["outputs"]),
+                            _typed_request("dot_product", tensors, ["outputs"])):
+                if served:
+                    assert _outputs(stub.ModelInfer(request))["outputs"].shape == (1, n, 1)
+                    continue
+                code, details = _error(lambda request=request: stub.ModelInfer(request))
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "batch * heads * n_q * n_k (the attention " \
+                    "weights) is 4198401, over this service's limit of 4194304 (ATTEND_MAX_WEIGHT_ELEMENTS)" \
+                    in details, details
 
 
 def test_a_message_over_the_limit_is_resource_exhausted_and_the_server_goes_on(server):

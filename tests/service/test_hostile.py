@@ -56,6 +56,30 @@ def test_each_limit_is_named(tight, case):
     assert words in error["message"]
 
 
+@pytest.mark.parametrize("case", LIMITS, ids=[c[0] for c in LIMITS])
+def test_each_limit_holds_in_every_form_of_body(tight, case):
+    """The same arrays as a gzip-compressed /attend body, and as the Open Inference Protocol's binary
+    tensors (the shapes in its JSON header, the numbers after it): the same limit, named the same way."""
+    import gzip
+    import sys
+
+    from tests.server import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from pools import v2_binary
+
+    _, body, status, field, words = case
+    response = tight.post("/attend", content=gzip.compress(json.dumps(body).encode()),
+                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["field"] == field.split(":")[1] and words in response.json()["error"]["message"]
+    path, content, header_length = v2_binary(body)
+    response = tight.post(path, content=content, headers={"Inference-Header-Content-Length": str(header_length),
+                                                          "Content-Type": "application/octet-stream"})
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"], response.json()
+
+
 def test_within_the_limits_is_served(tight):
     assert tight.post("/attend", json=_dot(3, 16, 16)).status_code == 200  # 768 weights
 
