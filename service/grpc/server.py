@@ -333,6 +333,29 @@ def _gone_early(dataplane: Dataplane, name: str, seconds: float) -> None:
         dataplane.failed("-", ClientGone("the client went away before its message arrived"), seconds, None, "grpc")
 
 
+class _AnswerNotSent(logging.Filter):
+    """grpcio logs an ERROR with its traceback when the answer of a call cannot be written: the client
+    closed the call, or refused a message over its own limit (tritonclient's default is 4 MiB, and the
+    attention weights of one request can be more). Any client can cause that at every call, and it is not
+    the service's error: one warning line instead (the client has its own status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ == "ExecuteBatchError":
+            # "ExecuteBatchError raised in core by servicer method [/inference.GRPCInferenceService/ModelInfer]":
+            # a method of ours (grpc calls no servicer for another).
+            where = record.getMessage().partition(" raised in core by ")[2] or "a gRPC call"
+            record.msg = "%s: the answer could not be sent (the client closed the call, or its message limit " \
+                         "refused the answer)"
+            record.args = (where,)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_ANSWER_NOT_SENT = _AnswerNotSent()
+
+
 class GRPCServer:
     """The gRPC front door as a transport of the Dataplane (service.core.dataplane.Transport).
     `shared_port`: the workers of ATTEND_WORKERS bind the same port (SO_REUSEPORT; the kernel spreads
@@ -350,6 +373,7 @@ class GRPCServer:
     async def start(self, dataplane: Dataplane) -> None:
         settings = self.settings
         self.loop = asyncio.get_running_loop()
+        logging.getLogger("grpc._cython.cygrpc").addFilter(_ANSWER_NOT_SENT)  # once: a logger keeps a filter once
         server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
                                                        self.shared_port))
         servicer = Servicer(dataplane, settings, self.version)

@@ -571,3 +571,27 @@ def test_workers_serve_grpc_on_one_port(repository):
             client.close()
         metrics = httpx.get(f"{url}/metrics").text
         assert 'attend_requests_total{model="additive",protocol="grpc",status="200"} 8.0' in metrics
+
+
+def test_an_answer_the_client_refuses_is_one_warning_line_and_the_server_goes_on(repository, tmp_path):
+    """A client whose message limit (tritonclient's and grpc's default, 4 MiB) is under the answer (the 16 MB
+    of weights of 1 x 2048 x 2048) gets RESOURCE_EXHAUSTED from its own side; the service cannot write the
+    answer, and logs one warning line naming the method, not grpcio's ERROR with its traceback."""
+    port, log = free_port(), tmp_path / "service.log"
+    with running_service(repository, log_path=log, ATTEND_GRPC_PORT=str(port),
+                         ATTEND_LOG_LEVEL="info") as (url, _):
+        channel, stub = _stub(f"127.0.0.1:{port}")
+        with channel:
+            tensors = {name: np.ones((1, 2048, 1), dtype=np.float32) for name in ("queries", "keys", "values")}
+            code, details = _error(lambda: stub.ModelInfer(_raw_request("dot_product", tensors)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, details
+            deadline = time.monotonic() + 10
+            while "could not be sent" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            small = _raw_request("dot_product", {k: v[:, :2] for k, v in tensors.items()})
+            assert _outputs(stub.ModelInfer(small))["outputs"].shape == (1, 2, 1)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if "could not be sent" in line]
+    assert len(lines) == 1 and " WARNING " in lines[0] and "/inference.GRPCInferenceService/ModelInfer" in lines[0] \
+        and "the client closed the call, or its message limit refused the answer" in lines[0], text
+    assert "Traceback" not in text and "ExecuteBatchError" not in text, text
