@@ -85,9 +85,9 @@ def server(kind: str, repository: Path, extra: dict[str, str], grpc_port: int = 
         kind == "on", {"ATTEND_GRPC_PORT": str(grpc_port), "ATTEND_DEVICE": device, **extra}))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (its threads included)."""
-    fields = proc_stat(pid)
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU time of a process so far (its threads included), or of one of its threads."""
+    fields = proc_stat(pid if thread is None else f"{pid}/task/{thread}")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import linecache
-import os
 import signal
 import subprocess
 import sys
@@ -111,12 +110,6 @@ def main_thread_samples(raw: str) -> collections.Counter:
     return stages
 
 
-def thread_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process's main thread (uvicorn's event loop) so far."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def profile(kind: str, repository: Path, index: Path, concurrency: int, seconds: float, rate: int, py_spy: str
             ) -> tuple[collections.Counter, int, float, float, float]:
     """(samples by stage, requests answered, CPU seconds of the process and of its event loop's thread,
@@ -130,9 +123,9 @@ def profile(kind: str, repository: Path, index: Path, concurrency: int, seconds:
                                     "-o", str(out), "--pid", str(proc.pid)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attached
-            cpu, loop_cpu = cpu_seconds(proc.pid), thread_cpu_seconds(proc.pid)
+            cpu, loop_cpu = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)  # the main thread: the loop's
             point = measure("wrk", port, index, concurrency, seconds)
-            cpu, loop_cpu = cpu_seconds(proc.pid) - cpu, thread_cpu_seconds(proc.pid) - loop_cpu
+            cpu, loop_cpu = cpu_seconds(proc.pid) - cpu, cpu_seconds(proc.pid, proc.pid) - loop_cpu
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=30)
             return main_thread_samples(out.read_text()), point.requests, cpu, loop_cpu, point.rps

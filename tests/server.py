@@ -108,8 +108,9 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
 
 
 def proc_stat(pid: int | str) -> list[str]:
-    """The fields of /proc/PID/stat after the command (which may hold spaces and parentheses): state,
-    parent's pid, ...; utime and stime are [11] and [12]. OSError where the process is gone."""
+    """The fields of /proc/PID/stat (PID/task/TID: one thread's) after the command (which may hold spaces
+    and parentheses): state, parent's pid, ...; utime and stime are [11] and [12]. OSError where the
+    process is gone."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 

@@ -371,11 +371,7 @@ def _terms(model: LoadedModel) -> tuple[tuple[tuple[int, tuple[int, ...]], ...],
     """The elements of a run as sums of products: for each input and output, its fixed sizes' product and
     where its other named axes are in a Job.shape; those with a batch axis (times the rows), and
     those without (the positional encoding's P)."""
-    order: dict[str, int] = {}
-    for _, named in model.named_input_axes:
-        for _, axis in named:
-            if axis != "batch":
-                order.setdefault(axis, len(order))
+    order = {axis: i for i, axis in enumerate(_SizePlan.of(model).others)}  # the axes of a Job.shape
     batched, unbatched = [], []
     for spec in (*model.inputs(), *model.outputs):
         fixed = math.prod(d for d in spec.shape if d.__class__ is int)
