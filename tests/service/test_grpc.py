@@ -496,20 +496,25 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
                          ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
                          ATTEND_MAX_BATCH_ROWS="6", ATTEND_INFERENCE_THREADS="1") as (url, _):
         client, inputs, outputs, alone, _ = _slow_call(port)
-        # A call that runs for `alone`, and one behind it, waiting for the inference thread: cancelled once it
-        # is admitted (cancelled at a guessed time, it raced its run's end, which now and then came first).
-        ahead, done = threading.Event(), threading.Event()
-        client.async_infer("dot_product", inputs, lambda result, error: ahead.set(), outputs=outputs)
+        # Two calls that run for `alone` each, one after the other, and one behind them, waiting for the
+        # inference thread: cancelled once it is admitted (cancelled at a guessed time, it raced its run's end,
+        # which now and then came first; with one call ahead, that call now and then ended before the third's
+        # 9 MB message was in, on a busy machine).
+        ahead = [threading.Event(), threading.Event()]
+        done = threading.Event()
+        for event in ahead:
+            client.async_infer("dot_product", inputs, lambda result, error, event=event: event.set(),
+                               outputs=outputs)
         time.sleep(alone / 10)
         call = client.async_infer("dot_product", inputs, lambda result, error: done.set(), outputs=outputs)
         waiting = time.monotonic() + 10
-        while _in_flight(url) < 2 and not ahead.is_set() and time.monotonic() < waiting:
-            # Until the second call's message is in and it is admitted. Not every 2 ms: each scrape takes
+        while _in_flight(url) < 3 and not ahead[1].is_set() and time.monotonic() < waiting:
+            # Until the third call's message is in and it is admitted. Not every 2 ms: each scrape takes
             # the service's event loop for a while, the loop that is taking in that 9 MB message.
             time.sleep(0.02)
-        assert not ahead.is_set(), "the call ahead ended before the second one was admitted"
+        assert not ahead[1].is_set(), "the calls ahead ended before the third one was admitted"
         call.cancel()
-        assert done.wait(10) and ahead.wait(30)
+        assert done.wait(10) and all(event.wait(30) for event in ahead)
         deadline = time.monotonic() + 10  # the server learns of it from the stream's reset
         while _grpc_count(url, 499) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -523,7 +528,7 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
         assert "deadline passed" in error.value.message()
         assert _grpc_count(url, 504) == 1
         stats = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]["inference_stats"]
-        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 3
+        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 4
 
 
 def test_sigterm_drains_a_call_in_flight(repository):
