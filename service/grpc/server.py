@@ -353,7 +353,9 @@ class _AnswerNotSent(logging.Filter):
         return True
 
 
-_ANSWER_NOT_SENT = _AnswerNotSent()
+# On grpcio's logger as soon as the gRPC front door is imported (the logging set-up replaces handlers, not a
+# logger's filters).
+logging.getLogger("grpc._cython.cygrpc").addFilter(_AnswerNotSent())
 
 
 class GRPCServer:
@@ -373,7 +375,6 @@ class GRPCServer:
     async def start(self, dataplane: Dataplane) -> None:
         settings = self.settings
         self.loop = asyncio.get_running_loop()
-        logging.getLogger("grpc._cython.cygrpc").addFilter(_ANSWER_NOT_SENT)  # once: a logger keeps a filter once
         server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
                                                        self.shared_port))
         servicer = Servicer(dataplane, settings, self.version)

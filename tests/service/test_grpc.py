@@ -578,25 +578,30 @@ def test_workers_serve_grpc_on_one_port(repository):
         assert 'attend_requests_total{model="additive",protocol="grpc",status="200"} 8.0' in metrics
 
 
-def test_an_answer_the_client_refuses_is_one_warning_line_and_the_server_goes_on(repository, tmp_path):
-    """A client whose message limit (tritonclient's and grpc's default, 4 MiB) is under the answer (the 16 MB
-    of weights of 1 x 2048 x 2048) gets RESOURCE_EXHAUSTED from its own side; the service cannot write the
-    answer, and logs one warning line naming the method, not grpcio's ERROR with its traceback."""
-    port, log = free_port(), tmp_path / "service.log"
-    with running_service(repository, log_path=log, ATTEND_GRPC_PORT=str(port),
-                         ATTEND_LOG_LEVEL="info") as (url, _):
-        channel, stub = _stub(f"127.0.0.1:{port}")
-        with channel:
-            tensors = {name: np.ones((1, 2048, 1), dtype=np.float32) for name in ("queries", "keys", "values")}
-            code, details = _error(lambda: stub.ModelInfer(_raw_request("dot_product", tensors)))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, details
-            deadline = time.monotonic() + 10
-            while "could not be sent" not in log.read_text() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            small = _raw_request("dot_product", {k: v[:, :2] for k, v in tensors.items()})
-            assert _outputs(stub.ModelInfer(small))["outputs"].shape == (1, 2, 1)
-    text = log.read_text()
-    lines = [line for line in text.splitlines() if "could not be sent" in line]
-    assert len(lines) == 1 and " WARNING " in lines[0] and "/inference.GRPCInferenceService/ModelInfer" in lines[0] \
-        and "the client closed the call, or its message limit refused the answer" in lines[0], text
-    assert "Traceback" not in text and "ExecuteBatchError" not in text, text
+def test_grpcios_error_for_an_answer_not_sent_is_one_warning_line():
+    """grpcio logs "ExecuteBatchError raised in core by servicer method [...]" at ERROR with its traceback
+    when it cannot write a call's answer: the client closed the call, or refused a message over its limit
+    (seen with a default client and the 16 MB weights of 1 x 2048 x 2048, once a process, and not every
+    time: hence a record here rather than a real call). Through grpcio's own logger and the service's
+    format, it is one warning line naming the method."""
+    import logging
+
+    from grpc._cython.cygrpc import ExecuteBatchError
+
+    import service.grpc.server  # noqa: F401  (puts the filter on grpcio's logger)
+    from service.core.logs import _Formatter
+
+    logger = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        raise ExecuteBatchError("Failed \"execute_batch\": (<SendMessageOperation>,)")
+    except ExecuteBatchError:
+        method = "servicer method [/inference.GRPCInferenceService/ModelInfer]"
+        record = logger.makeRecord(logger.name, logging.ERROR, "server.pyx.pxi", 710, "%s raised in core by %s",
+                                   ("ExecuteBatchError", method), sys.exc_info())
+    assert logger.filter(record)
+    line = _Formatter().format(record)
+    assert record.levelno == logging.WARNING and "\n" not in line and "Traceback" not in line, line
+    assert line.endswith(f"WARNING grpc._cython.cygrpc [-] {method}: the answer could not be sent (the client "
+                         "closed the call, or its message limit refused the answer)"), line
+    other = logger.makeRecord(logger.name, logging.ERROR, "x", 1, "something else", (), None)
+    assert logger.filter(other) and other.levelno == logging.ERROR and other.getMessage() == "something else"
