@@ -1,5 +1,5 @@
 """Compute on long sequences (issue 25, "Long sequences"): for dot_product and multi_head at n = 16 to 2048,
-the graph the service serves on the CPU (model.cpu.onnx: one ONNX `Attention` node, export.fused), run by
+the graph the service serves on the CPU (model.cpu.onnx: ONNX's `Attention` operator, export.fused), run by
 ONNX Runtime as the service runs it, against the book's module in eager PyTorch, against the decomposed
 graph traced from it (model.onnx: what every other execution provider runs), and against the floor
 measured on this machine.
@@ -12,16 +12,19 @@ weights must spend on them; plus one ONNX Runtime run's own cost, which each par
 Runtime is counted without (an Identity on one float). Each is the median of its own repeats.
 
 One core (os.sched_setaffinity), one thread (torch.set_num_threads(1), ORT intra_op_num_threads=1, NumPy's
-BLAS told so before it loads); random inputs, random valid lengths from 1 to n (rows of valid length 0 are
-checked apart, on a small case); the two graphs alternate call by call and with eager PyTorch block by
-block (a call right after torch's runs slower: caches), and a figure is the median of the repeats: as
-many as fit in about 2 s a point (0.5 s a part of the floor), at least 5, at most --repeats.
+BLAS told so before it loads); random inputs, random valid lengths from 1 to n in both forms the service
+feeds its graphs: one length an example (1-D lengths, the book's examples, and absent ones, where the
+served graph builds no mask) and one a query (2-D, where it builds one); rows of valid length 0 are
+checked apart, on a small case; the two graphs, on both forms, alternate call by call and with eager
+PyTorch block by block (a call right after torch's runs slower: caches), and a figure is the median of
+the repeats: as many as fit in about 2 s a point and form (0.5 s a part of the floor), at least 5, at
+most --repeats.
 By default the models are exported afresh (seed 0, as `python -m export`) into a temporary repository, so
 the graphs are this tree's; --repository times an existing one. About two minutes on a quiet 2-core
 machine; timings need the machine to themselves.
 
     python bench/compute.py [--repeats 2001] [--kinds dot_product multi_head] [--sizes 8x16 ... 1x2048]
-                            [--repository DIR] [--out docs/benchmarks.md]
+                            [--lengths example query] [--repository DIR] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -70,11 +73,18 @@ def session_options() -> ort.SessionOptions:
     return options
 
 
+# The forms of valid lengths: one an example (what the service feeds for 1-D lengths and absent ones: each
+# row one number) and one a query (2-D).
+LENGTHS = {"example": "per example", "query": "per query"}
+
+
 def inputs(kind: str, batch: int, n: int, hp: dict, rng: np.random.Generator,
-           lens: np.ndarray | None = None) -> dict[str, np.ndarray]:
+           lens: np.ndarray | None = None, per: str = "query") -> dict[str, np.ndarray]:
     f = hp["num_hiddens"] if kind == "multi_head" else D
     feed = {name: rng.standard_normal((batch, n, f), dtype=np.float32) for name in ("queries", "keys", "values")}
-    feed["valid_lens"] = rng.integers(1, n + 1, size=(batch, n), dtype=np.int64) if lens is None else lens
+    if lens is None:
+        lens = rng.integers(1, n + 1, size=(batch, n if per == "query" else 1), dtype=np.int64)
+    feed["valid_lens"] = np.array(np.broadcast_to(lens, (batch, n)))  # a copy: writable, as torch wants
     return feed
 
 
@@ -227,6 +237,9 @@ def main() -> int:
                         choices=["dot_product", "multi_head"])
     parser.add_argument("--sizes", nargs="+", type=_size, default=SIZES, metavar="BATCHxN",
                         help="points to time (default: " + " ".join(f"{b}x{n}" for b, n in SIZES) + ")")
+    parser.add_argument("--lengths", nargs="+", default=list(LENGTHS), choices=list(LENGTHS),
+                        help="forms of valid lengths to time at each point: one an example (1-D), one a query "
+                        "(2-D); default both")
     parser.add_argument("--out", type=Path, help=f"markdown file to write the table into (section {SECTION})")
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
@@ -251,36 +264,42 @@ def main() -> int:
                              "(export again for model.cpu.onnx)")
             rng = np.random.default_rng(0)
             for batch, n in args.sizes:
-                feed = inputs(kind, batch, n, hp, rng)
-                graphs = {"served": ort_call(served.session, feed), "decomposed": ort_call(decomposed, feed)}
-                eager = {"torch": torch_call(module, feed)}
-                ref_out, ref_w = eager["torch"]()
-                s_out, s_w = graphs["served"]()
-                ms = timed_apart([graphs, eager], args.repeats)
-                parts = floor(kind, batch, n, hp, args.repeats, overhead)
-                least = sum(parts.values())
                 shape = f"{batch} x {n} x {n} x {D}" if kind == "dot_product" else \
                     f"{batch} x {n} x {n} x {hp['num_hiddens']}, {hp['num_heads']} heads"
-                rows.append(
-                    f"| {kind} | {shape} | {ms['served']:.4g} | {ms['torch']:.4g} | {ms['decomposed']:.4g} "
-                    f"| {least:.4g} | **{ms['served'] / ms['torch']:.2f}** | **{ms['served'] / least:.2f}** "
-                    f"| {ms['decomposed'] / ms['served']:.2f} | {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
-                    f"| {' + '.join(f'{v:.4g}' for v in parts.values())} |")
-                print(rows[-1], flush=True)
+                parts = floor(kind, batch, n, hp, args.repeats, overhead)  # the same for either form
+                least = sum(parts.values())
+                # Both forms of lengths in one timing, call by call: their ratio is of the same seconds.
+                feeds = {per: inputs(kind, batch, n, hp, rng, per=per) for per in args.lengths}
+                graphs = {f"{label} {per}": ort_call(session, feed) for per, feed in feeds.items()
+                          for label, session in (("served", served.session), ("decomposed", decomposed))}
+                eager = {f"torch {per}": torch_call(module, feed) for per, feed in feeds.items()}
+                times = timed_apart([graphs, eager], args.repeats, POINT_SECONDS * len(feeds))
+                for per in feeds:
+                    ms = {label: times[f"{label} {per}"] for label in ("served", "decomposed", "torch")}
+                    ref_out, ref_w = eager[f"torch {per}"]()
+                    s_out, s_w = graphs[f"served {per}"]()
+                    rows.append(
+                        f"| {kind} | {shape} | {LENGTHS[per]} | {ms['served']:.4g} | {ms['torch']:.4g} "
+                        f"| {ms['decomposed']:.4g} | {least:.4g} | **{ms['served'] / ms['torch']:.2f}** "
+                        f"| **{ms['served'] / least:.2f}** | {ms['decomposed'] / ms['served']:.2f} "
+                        f"| {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
+                        f"| {' + '.join(f'{v:.4g}' for v in parts.values())} |")
+                    print(rows[-1], flush=True)
             notes.append(fully_masked(kind, hp, module, {"served": served.session, "decomposed": decomposed}))
             notes.append(f"{kind}: served {served.model_file} (opset {served.opset}), decomposed "
                          f"{served.config.model_file} (opset {served.config.opset}); floor parts: "
                          + " + ".join(parts))
 
     table = [
-        "| model | batch x n_q x n_k x features | served ms | eager PyTorch ms | decomposed ms | floor ms "
-        "| served / eager | served / floor | decomposed / served | served max diff (outputs / weights) "
-        "| floor parts ms |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | batch x n_q x n_k x features | valid lengths | served ms | eager PyTorch ms | decomposed ms "
+        "| floor ms | served / eager | served / floor | decomposed / served "
+        "| served max diff (outputs / weights) | floor parts ms |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
-        f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point, at least 5 calls), "
-        f"the two graphs alternating call by call, and with eager PyTorch block by block; one core, one "
+        f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point and form of lengths, "
+        f"at least 5 calls), the two graphs on both forms alternating call by call, and with eager PyTorch "
+        f"block by block; one core, one "
         f"thread; ONNX Runtime {ort.__version__}, torch {torch.__version__}, NumPy {np.__version__}; load "
         f"average {load:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the number of cores would be all busy). Served: the graph the "

@@ -1,4 +1,4 @@
-"""The CPU graph of the dot-product family: one ONNX `Attention` node (opset 23) in place of the traced
+"""The CPU graph of the dot-product family: ONNX's `Attention` operator (opset 24) in place of the traced
 MatMul, Mul, Where, Softmax, Where, MatMul, built from the same module's weights and served only on ONNX
 Runtime's CPU execution provider (config.json's `variants["cpu"]`).
 
@@ -11,14 +11,24 @@ part of every answer; model.onnx, the traced graph, stays what every other execu
 The graph takes what the traced one takes and answers the same, name for name and axis for axis
 (`export.repository.signature`):
 
-- the mask `arange(n_k) < valid_lens` is built in the graph from the 2-D int64 lengths the service
-  feeds (1-D and absent lengths are made 2-D before, `valid_lens_2d`), as models.masked_softmax does;
+- valid_lens come 2-D, (batch, n_q) int64 (1-D and absent lengths are made 2-D before, `valid_lens_2d`).
+  An `If` chooses between two `Attention` nodes by their form:
+  - each row one length (1-D lengths, absent ones, and the batcher's padded query rows, which repeat
+    their request's last length): the lengths, clipped to [0, n_k], go in as the node's
+    `nonpad_kv_seqlen` (opset 24), which masks the keys past each example's length in the kernel, so no
+    mask is built. At n = 512 to 2048 this saves about a fifth of the node's time: the kernel turns a
+    boolean mask into an additive one, then copies it into the scores of each head (`python
+    bench/compute.py`, its rows "per example" and "per query");
+  - lengths per query: the mask `arange(n_k) < valid_lens`, built in the graph as models.masked_softmax
+    does, compared as int32 (about half the time of int64, `python bench/mask_dtype.py`).
+  The choice costs four small reductions over the (batch, n_q) lengths and the `If`: a few microseconds.
 - `qk_matmul_output_mode` = 3 makes the node's fourth output the post-softmax weights;
 - the scale is the node's default, 1/sqrt(head size), the book's 1/sqrt(d);
-- a query of valid length 0 (or less) has an all-False mask row, which the operator makes a zero row
-  of the output and of the mode-3 weights (the errata in onnx 1.23's text of `Attention`; ONNX Runtime's
-  CPU kernel does so): zeros, as models.masked_softmax makes them (not the book's uniform weights).
-  The validator's sweep (export.validate) checks it on every export.
+- a query of valid length 0 (or less) attends to nothing, which the operator makes a zero row of the
+  output and of the mode-3 weights (the errata in onnx 1.23's text of `Attention`; ONNX Runtime's CPU
+  kernel does so in both branches): zeros, as models.masked_softmax makes them (not the book's uniform
+  weights). The validator's sweep (export.validate) checks both branches on every export: its 1-D and
+  absent lengths take the first, its 2-D ones the second.
 - multi_head's weights (and self_attention's) leave the graph as the node makes them, (batch, heads,
   n_q, n_k). onnx's shape inference (1.23) sizes their n_k 0, the size ONNX Runtime then reports for the
   output: the service reads a 0 where config.json names an axis as that name
@@ -45,7 +55,7 @@ from export.repository import signature
 
 __all__ = ["FUSED_KINDS", "OPSET", "export_fused", "fused_graph"]
 
-OPSET = 23  # Attention is an operator from opset 23 on
+OPSET = 24  # Attention is an operator from opset 23 on; nonpad_kv_seqlen, from 24
 FUSED_KINDS = ("dot_product", "multi_head", "self_attention")
 _TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
 
@@ -63,8 +73,14 @@ class _Graph:
 
     def op(self, op_type: str, inputs: list[str], output: str | list[str], **attrs: Any) -> str:
         outputs = [output] if isinstance(output, str) else output
-        self.nodes.append(helper.make_node(op_type, inputs, outputs, **attrs))
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=outputs[0], **attrs))
         return outputs[0]
+
+    def subgraph(self, name: str, outputs: dict[str, list[str | int]]) -> onnx.GraphProto:
+        """These nodes as a branch of an `If`: no inputs of its own (it reads the outer graph's names),
+        `outputs` its results by name and shape."""
+        return helper.make_graph(self.nodes, name, [], [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in outputs.items()])
 
     def linear(self, x: str, layer: nn.Linear, name: str, output: str | None = None) -> str:
         """x @ W.T (+ b), as nn.Linear; the result named `output` (default: "<name>.out")."""
@@ -98,17 +114,8 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
                               g.const("axis_0", np.array([0], np.int64))], "P_n")
         queries = keys = values = g.op("Add", ["queries", rows], "X")
 
-    # The mask: position j of the keys is attended to by query i of example b when j < valid_lens[b, i].
-    # Compared as int32: ONNX Runtime builds the (batch, n_q, n_k) mask in about half the time it takes in
-    # int64 (`python bench/mask_dtype.py`); lengths are at most n_k.
-    lens_32 = g.op("Cast", ["valid_lens"], "lens_32", to=TensorProto.INT32)
-    lens = g.op("Unsqueeze", [lens_32, g.const("axes_1_3", np.array([1, 3], np.int64))], "lens")  # (b, 1, n_q, 1)
     n_k_1 = g.op("Shape", [keys], "n_k_1", start=1, end=2)  # [n_k]
-    n_k = g.op("Cast", [g.op("Squeeze", [n_k_1], "n_k_64")], "n_k", to=TensorProto.INT32)
-    positions = g.op("Range", [g.const("zero", np.array(0, np.int32)), n_k, g.const("one", np.array(1, np.int32))],
-                     "positions")  # (n_k,)
-    mask = g.op("Less", [positions, lens], "mask")  # (batch, 1, n_q, n_k), True = attend
-
+    n_k_64 = g.op("Squeeze", [n_k_1], "n_k_64")
     if kind == "dot_product":
         q, k, v = queries, keys, values
     else:
@@ -119,8 +126,35 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
     # MultiHeadAttention's _split_heads and its transpose-reshape do. Its weights are (batch, heads,
     # n_q, n_k): multi_head's output as it is; dot_product's without the axis of its one head.
     y, scores = "attended", "weights" if kind == "dot_product" else "attention_weights"
-    g.op("Attention", [q, k, v, mask], [y, "", "", scores], q_num_heads=heads, kv_num_heads=heads,
-         qk_matmul_output_mode=3)
+    attention = {"q_num_heads": heads, "kv_num_heads": heads, "qk_matmul_output_mode": 3}
+    y_shape = ["batch", "n_q", "value_size" if kind == "dot_product" else int(hp["num_hiddens"])]
+    w_shape = ["batch", heads, "n_q", "n_k"]
+
+    # Lengths per example (each row of valid_lens one number: 1-D lengths, absent ones, the batcher's
+    # padded query rows): the node's nonpad_kv_seqlen, the first keys of each example, and no mask.
+    longest = g.op("ReduceMax", ["valid_lens", g.const("axis_1", np.array([1], np.int64))], "longest", keepdims=0)
+    shortest = g.op("ReduceMin", ["valid_lens", "axis_1"], "shortest", keepdims=0)
+    spread = g.op("ReduceMax", [g.op("Sub", [longest, shortest], "spreads")], "spread", keepdims=0)
+    per_example = g.op("Equal", [spread, g.const("zero_64", np.array(0, np.int64))], "per_example")
+    by_length = _Graph()
+    kv_lens = by_length.op("Clip", [longest, "zero_64", n_k_64], "kv_lens")  # in [0, n_k], as the mask reads them
+    by_length.op("Attention", [q, k, v, "", "", "", kv_lens], ["y_by_length", "", "", "w_by_length"], **attention)
+
+    # Lengths per query: the mask arange(n_k) < valid_lens, True = attend, built in the graph as
+    # models.masked_softmax builds it. Compared as int32: ONNX Runtime builds the (batch, n_q, n_k) mask in
+    # about half the time it takes in int64 (`python bench/mask_dtype.py`); lengths are at most n_k.
+    by_mask = _Graph()
+    lens_32 = by_mask.op("Cast", ["valid_lens"], "lens_32", to=TensorProto.INT32)
+    lens = by_mask.op("Unsqueeze", [lens_32, g.const("axes_1_3", np.array([1, 3], np.int64))], "lens")  # (b, 1, n_q, 1)
+    n_k = by_mask.op("Cast", [n_k_64], "n_k", to=TensorProto.INT32)
+    positions = by_mask.op("Range", [g.const("zero", np.array(0, np.int32)), n_k,
+                                     g.const("one", np.array(1, np.int32))], "positions")  # (n_k,)
+    mask = by_mask.op("Less", [positions, lens], "mask")  # (batch, 1, n_q, n_k)
+    by_mask.op("Attention", [q, k, v, mask], ["y_by_mask", "", "", "w_by_mask"], **attention)
+
+    g.op("If", [per_example], [y, scores],
+         then_branch=by_length.subgraph("by_length", {"y_by_length": y_shape, "w_by_length": w_shape}),
+         else_branch=by_mask.subgraph("by_mask", {"y_by_mask": y_shape, "w_by_mask": w_shape}))
 
     if kind == "dot_product":  # Reshapes to shapes from the inputs
         batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
@@ -140,7 +174,7 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="attend export.fused")
-    model.ir_version = 10  # what ONNX Runtime 1.2x reads; opset 23 needs IR 10
+    model.ir_version = 10  # what ONNX Runtime reads from 1.2x on; onnx's checker takes opset 24 at it
     return model
 
 

@@ -1,7 +1,7 @@
 """Export one model into the repository: build, (load checkpoint), export, validate, publish.
 
 Each version folder holds its model.onnx (the traced graph, for every execution provider), for
-dot_product, multi_head and self_attention also model.cpu.onnx (export.fused: one `Attention` node,
+dot_product, multi_head and self_attention also model.cpu.onnx (export.fused: ONNX's `Attention`,
 for the CPU execution provider), and its own config.json; the model's config.json (the same
 as its newest version's) says which version is the newest.
 

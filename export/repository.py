@@ -7,7 +7,7 @@ Layout::
     <repository>/<name>/config.json               what the model is and how to call it
     <repository>/<name>/<version>/model.onnx      one self-contained ONNX file, for every execution provider
     <repository>/<name>/<version>/model.cpu.onnx  dot_product, multi_head, self_attention: the same model as
-                                                  one ONNX `Attention` node (export.fused), for the CPU only
+                                                  ONNX's `Attention` operator (export.fused), for the CPU only
 
 config.json names each file with its sha256: `model_file` and `sha256`, and per variant
 `variants[provider] = {"file", "sha256", "opset"}` (a repository written before variants has none, and

@@ -6,7 +6,8 @@ where the padding costs less than the runs it saves. Padding is exact:
 - along the sequence axes: queries, keys and values are zero-padded to the batch's largest n_q and
   n_k, and every request's 2-D valid lengths (its own; its n_k where it sent none; a 1-D length
   for each of its queries: the graph takes only the 2-D form) are at most its own n_k, so padded
-  keys get weight exactly 0; padded query rows get length 0 and are sliced off;
+  keys get weight exactly 0; padded query rows repeat their request's last length (a request's lengths
+  that are one a row stay so, which spares the CPU graph its mask: export.fused) and are sliced off;
 - along the feature sizes a graph leaves free: values' (dot_product, additive: zero columns, sliced
   off the outputs), and dot_product's query and key size d, zero-padded to the batch's largest D
   with each request's queries scaled by sqrt(D / d), so that the graph's 1/sqrt(D) gives the
@@ -263,7 +264,8 @@ def _line(points: list[tuple[int, float]] | tuple) -> tuple[float, float]:
 def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict[str, np.ndarray]:
     """One feed for every job: zero-padded to the largest size of every named axis, stacked along
     batch (see the module's docstring: padded keys are past every job's valid lengths, padded query
-    rows get length 0, dot_product's queries are scaled for a padded d; all sliced off the results).
+    rows repeat their job's last length, dot_product's queries are scaled for a padded d; all sliced off
+    the results).
     `same`: whether the jobs have the same shapes, where the caller knows (`_same_shapes`)."""
     if len(jobs) == 1:
         return jobs[0].request.feed
@@ -281,7 +283,7 @@ def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict
     for spec in model.inputs():
         name = spec.name
         shape = tuple(merged_axes[axis] if axis.__class__ is str else axis for axis in spec.shape)
-        merged = np.zeros(shape, dtype=jobs[0].request.feed[name].dtype)  # valid_lens: 0 for padded query rows
+        merged = np.zeros(shape, dtype=jobs[0].request.feed[name].dtype)
         r = 0
         if name == "queries" and scaled:
             for job, scale in zip(jobs, scales, strict=True):
@@ -298,11 +300,13 @@ def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict
                 b, n, f = part.shape
                 merged[r:r + b, :n, :f] = part
                 r += b
-        elif len(shape) == 2:
+        elif len(shape) == 2:  # valid_lens; a padded query row takes its request's last length
             for job in jobs:
                 part = job.request.feed[name]
                 b, n = part.shape
                 merged[r:r + b, :n] = part
+                if n < shape[1]:
+                    merged[r:r + b, n:] = part[:, n - 1:]
                 r += b
         else:
             for job in jobs:

@@ -4,7 +4,7 @@ A session is checked against its config.json (sha256 of the file, input and outp
 dtypes and shapes) before it is used, and warmed up before the service reports ready.
 
 Which file: a session on the CPU execution provider runs the model's CPU graph where config.json has
-one (`variants["cpu"]`: one ONNX `Attention` node, export.fused), every other session model.onnx.
+one (`variants["cpu"]`: ONNX's `Attention` operator, export.fused), every other session model.onnx.
 ONNX Runtime's CUDA kernel of `Attention` cannot return the weights (NOT_IMPLEMENTED), so the CPU graph
 is never offered to CUDA: a session is opened on it only when the CPU alone runs it.
 """

@@ -48,18 +48,29 @@ def test_config_names_the_cpu_graph_with_its_sha256(repository, kind):
         return
     variant = config.variants["cpu"]
     path = repository / kind / variant["file"]
-    assert variant == {"file": "1/model.cpu.onnx", "sha256": sha256_of(path), "opset": 23}
+    assert variant == {"file": "1/model.cpu.onnx", "sha256": sha256_of(path), "opset": 24}
     assert raw["variants"] == config.variants  # the version's own config.json says the same
-    assert config.graph_for(cpu=True) == ("1/model.cpu.onnx", variant["sha256"], 23)
+    assert config.graph_for(cpu=True) == ("1/model.cpu.onnx", variant["sha256"], 24)
     assert config.graph_for(cpu=False) == ("1/model.onnx", config.sha256, config.opset)
     model = onnx.load(str(path))
     ops = [node.op_type for node in model.graph.node]
-    assert ops.count("Attention") == 1 and "Softmax" not in ops and "Where" not in ops
-    attention = next(node for node in model.graph.node if node.op_type == "Attention")
-    assert {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}["qk_matmul_output_mode"] == 3
-    # multi_head's weights leave as the node makes them, dot_product's through a Reshape (its head axis).
+    assert ops.count("If") == 1 and not {"Attention", "Softmax", "Where"} & set(ops)
+    # One `Attention` node a branch: lengths per example go in as nonpad_kv_seqlen (its 7th input) and no
+    # mask is built; lengths per query as the mask (its 4th).
+    choice = next(node for node in model.graph.node if node.op_type == "If")
+    branches = {a.name: onnx.helper.get_attribute_value(a) for a in choice.attribute}
+    for branch, built, mask, lengths in (("then_branch", {"Clip", "Attention"}, "", "kv_lens"),
+                                         ("else_branch", {"Cast", "Unsqueeze", "Range", "Less", "Attention"},
+                                          "mask", None)):
+        nodes = branches[branch].node
+        assert {node.op_type for node in nodes} == built, branch
+        attention = next(node for node in nodes if node.op_type == "Attention")
+        assert attention.input[3] == mask and (attention.input[6:] or [None])[0] == lengths, branch
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}["qk_matmul_output_mode"] == 3
+    # multi_head's weights leave as the node makes them (through the If), dot_product's through a Reshape
+    # (its head axis).
     makers = {output: node.op_type for node in model.graph.node for output in node.output}
-    assert makers["attention_weights"] == ("Reshape" if kind == "dot_product" else "Attention")
+    assert makers["attention_weights"] == ("Reshape" if kind == "dot_product" else "If")
     # The session's signature is config.json's, axis names included, where ONNX Runtime does not report the
     # 0 that onnx's shape inference of `Attention` makes of n_k (the service checks it at load).
     session = _session(path)
@@ -182,3 +193,34 @@ def test_only_the_dot_product_family_has_a_cpu_graph():
     hp = default_hyperparameters("additive")
     with pytest.raises(ExportError, match="no fused graph for kind 'additive'"):
         fused_graph("additive", build_module("additive", hp), hp)
+
+
+def _nodes_run(path, feed, tmp_path):
+    """Names of the nodes ONNX Runtime ran for `feed` (its profile: the If's branch's nodes included)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = CPU_GRAPH_LOG_SEVERITY
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session.run(None, feed)
+    events = json.loads(open(session.end_profiling()).read())
+    return {e["name"].removesuffix("_kernel_time") for e in events if e.get("cat") == "Node"}
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_lengths_one_a_row_build_no_mask(repository, kind, tmp_path):
+    """Each row of valid_lens one number (1-D lengths, absent ones): the node takes them as its
+    nonpad_kv_seqlen and no mask is built; one example with lengths per query is enough for the mask."""
+    rng = np.random.default_rng(7)
+    batch, n = 3, 6
+    f = 8 if kind == "dot_product" else 100
+    feed = {name: rng.standard_normal((batch, n, f), dtype=np.float32) for name in ("queries", "keys", "values")}
+    if kind == "self_attention":
+        feed = {"queries": feed["queries"]}
+    path = repository / kind / read_config(repository / kind).variants["cpu"]["file"]
+    per_example = np.array([[0] * n, [n] * n, [4] * n])  # 0 and every key among them
+    per_query = per_example.copy()
+    per_query[2, 5] = 3
+    for lens, ran, skipped in ((per_example, "y_by_length", "y_by_mask"), (per_query, "y_by_mask", "y_by_length")):
+        nodes = _nodes_run(path, {**feed, "valid_lens": lens}, tmp_path)
+        assert ran in nodes and skipped not in nodes and ("mask" in nodes) == (ran == "y_by_mask"), lens

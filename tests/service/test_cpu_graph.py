@@ -69,7 +69,7 @@ def test_the_service_serves_the_cpu_graph_with_the_oracles_numbers(repo):
             if name == "additive":  # no CPU graph: model.onnx
                 assert (described["model_file"], described["sha256"]) == ("1/model.onnx", config["sha256"])
             else:
-                assert described["model_file"] == "1/model.cpu.onnx" and described["opset"] == 23
+                assert described["model_file"] == "1/model.cpu.onnx" and described["opset"] == 24
                 assert described["sha256"] == config["variants"]["cpu"]["sha256"] == \
                     sha256_of(repo / name / "1" / "model.cpu.onnx")
         for form in ("1d", "2d"):
