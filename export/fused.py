@@ -16,12 +16,14 @@ The graph takes what the traced one takes and answers the same, name for name an
   - each row one length (1-D lengths, absent ones, and the batcher's padded query rows, which repeat
     their request's last length): the lengths, clipped to [0, n_k], go in as the node's
     `nonpad_kv_seqlen` (opset 24), which masks the keys past each example's length in the kernel, so no
-    mask is built. At n = 512 to 2048 this saves about a fifth of the node's time: the kernel turns a
-    boolean mask into an additive one, then copies it into the scores of each head (`python
-    bench/compute.py`, its rows "per example" and "per query");
+    mask is built. At n = 512 to 2048 this saves about a fifth of dot_product's time (less of
+    multi_head's, whose projections it does not touch): the kernel turns a boolean mask into an
+    additive one, then copies it into the scores of each head (`python bench/compute.py`, its rows "per
+    example" and "per query");
   - lengths per query: the mask `arange(n_k) < valid_lens`, built in the graph as models.masked_softmax
     does, compared as int32 (about half the time of int64, `python bench/mask_dtype.py`).
-  The choice costs four small reductions over the (batch, n_q) lengths and the `If`: a few microseconds.
+  The choice costs three small reductions, a Sub and an Equal over the (batch, n_q) lengths, and the
+  `If`: a few microseconds.
 - `qk_matmul_output_mode` = 3 makes the node's fourth output the post-softmax weights;
 - the scale is the node's default, 1/sqrt(head size), the book's 1/sqrt(d);
 - a query of valid length 0 (or less) attends to nothing, which the operator makes a zero row of the
