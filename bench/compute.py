@@ -2,7 +2,8 @@
 the graph the service serves on the CPU (model.cpu.onnx: ONNX's `Attention` operator, export.fused), run by
 ONNX Runtime as the service runs it, against the book's module in eager PyTorch, against the decomposed
 graph traced from it (model.onnx: what every other execution provider runs), and against the floor
-measured on this machine.
+measured on this machine. Beside the served graph, its twin without the weights output
+(model.cpu.outputs.onnx), which the service runs for a batch that returns no weights.
 
 The floor is what no graph computing the weights can go below here: the GEMMs of the same shapes (Q K^T
 and W V per head; for multi_head the four projections too), each timed alone as one ONNX Runtime MatMul
@@ -15,7 +16,7 @@ One core (os.sched_setaffinity), one thread (torch.set_num_threads(1), ORT intra
 BLAS told so before it loads); random inputs, random valid lengths from 1 to n in both forms the service
 feeds its graphs: one length an example (1-D lengths, the book's examples, and absent ones, where the
 served graph builds no mask) and one a query (2-D, where it builds one); rows of valid length 0 are
-checked apart, on a small case; the two graphs, on both forms, alternate call by call and with eager
+checked apart, on a small case; the graphs, on both forms, alternate call by call and with eager
 PyTorch block by block (a call right after torch's runs slower: caches), and a figure is the median of
 the repeats: as many as fit in about 2 s a point and form (0.5 s a part of the floor), at least 5, at
 most --repeats.
@@ -100,6 +101,11 @@ def torch_call(module: torch.nn.Module, feed: dict[str, np.ndarray]) -> Callable
 
 def ort_call(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> Callable[[], list]:
     return lambda: session.run(["outputs", "attention_weights"], feed)
+
+
+def outputs_call(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> Callable[[], list]:
+    """A run of the graph without the weights (model.cpu.outputs.onnx)."""
+    return lambda: session.run(["outputs"], feed)
 
 
 def timed(calls: dict[str, Callable[[], object]], repeats: int, seconds: float = POINT_SECONDS) -> dict[str, float]:
@@ -272,14 +278,19 @@ def main() -> int:
                 feeds = {per: inputs(kind, batch, n, hp, rng, per=per) for per in args.lengths}
                 graphs = {f"{label} {per}": ort_call(session, feed) for per, feed in feeds.items()
                           for label, session in (("served", served.session), ("decomposed", decomposed))}
+                if served.session_without_weights is not None:  # what a batch that returns no weights runs
+                    graphs |= {f"outputs {per}": outputs_call(served.session_without_weights, feed)
+                               for per, feed in feeds.items()}
                 eager = {f"torch {per}": torch_call(module, feed) for per, feed in feeds.items()}
                 times = timed_apart([graphs, eager], args.repeats, POINT_SECONDS * len(feeds))
                 for per in feeds:
-                    ms = {label: times[f"{label} {per}"] for label in ("served", "decomposed", "torch")}
+                    ms = {label: times.get(f"{label} {per}", float("nan"))
+                          for label in ("served", "decomposed", "torch", "outputs")}
                     ref_out, ref_w = eager[f"torch {per}"]()
                     s_out, s_w = graphs[f"served {per}"]()
                     rows.append(
-                        f"| {kind} | {shape} | {LENGTHS[per]} | {ms['served']:.4g} | {ms['torch']:.4g} "
+                        f"| {kind} | {shape} | {LENGTHS[per]} | {ms['served']:.4g} | {ms['outputs']:.4g} "
+                        f"| {ms['torch']:.4g} "
                         f"| {ms['decomposed']:.4g} | {least:.4g} | **{ms['served'] / ms['torch']:.2f}** "
                         f"| **{ms['served'] / least:.2f}** | {ms['decomposed'] / ms['served']:.2f} "
                         f"| {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
@@ -291,20 +302,22 @@ def main() -> int:
                          + " + ".join(parts))
 
     table = [
-        "| model | batch x n_q x n_k x features | valid lengths | served ms | eager PyTorch ms | decomposed ms "
-        "| floor ms | served / eager | served / floor | decomposed / served "
+        "| model | batch x n_q x n_k x features | valid lengths | served ms | served without weights ms "
+        "| eager PyTorch ms | decomposed ms | floor ms | served / eager | served / floor | decomposed / served "
         "| served max diff (outputs / weights) | floor parts ms |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point and form of lengths, "
-        f"at least 5 calls), the two graphs on both forms alternating call by call, and with eager PyTorch "
+        f"at least 5 calls), the graphs on both forms alternating call by call, and with eager PyTorch "
         f"block by block; one core, one "
         f"thread; ONNX Runtime {ort.__version__}, torch {torch.__version__}, NumPy {np.__version__}; load "
         f"average {load:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the number of cores would be all busy). Served: the graph the "
-        f"service runs on the CPU; decomposed: model.onnx, traced from the module (what other execution "
-        f"providers run); floor: the GEMMs of the same shapes (ONNX Runtime's MatMul or NumPy's, the faster) "
+        f"service runs on the CPU; without weights: model.cpu.outputs.onnx, what it runs for a batch that "
+        f"returns no weights (timed with the others, call by call); decomposed: model.onnx, traced from the "
+        f"module (what other execution providers run); floor: the GEMMs of the same shapes (ONNX Runtime's "
+        f"MatMul or NumPy's, the faster) "
         f"plus one softmax over the weights (ONNX Runtime's Softmax), each timed alone less ONNX Runtime's "
         f"cost of a run ({overhead * 1e3:.0f} us), which the floor counts once. Max diffs are against the "
         f"PyTorch module's outputs and weights.",

@@ -96,12 +96,16 @@ class _Graph:
         return y
 
 
-def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelProto:
+def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool = True) -> onnx.ModelProto:
     """The `Attention`-node graph of `module` (a models.DotProductAttention, MultiHeadAttention or
-    SelfAttention of `kind` with hyperparameters `hp`), with `signature(kind, hp)`'s inputs and outputs."""
+    SelfAttention of `kind` with hyperparameters `hp`), with `signature(kind, hp)`'s inputs and outputs;
+    without `attention_weights` where `weights` is False (model.cpu.outputs.onnx: the nodes then do not
+    copy the weights out)."""
     if kind not in FUSED_KINDS:
         raise ExportError(f"no fused graph for kind {kind!r}; only for {', '.join(FUSED_KINDS)}")
     inputs, outputs = signature(kind, hp)
+    if not weights:
+        outputs = [s for s in outputs if s.name != "attention_weights"]
     g = _Graph()
     heads = 1 if kind == "dot_product" else int(hp["num_heads"])
     queries = "queries"
@@ -140,7 +144,9 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
     per_example = g.op("Equal", [spread, g.const("zero_64", np.array(0, np.int64))], "per_example")
     by_length = _Graph()
     kv_lens = by_length.op("Clip", [longest, "zero_64", n_k_64], "kv_lens")  # in [0, n_k], as the mask reads them
-    by_length.op("Attention", [q, k, v, "", "", "", kv_lens], ["y_by_length", "", "", "w_by_length"], **attention)
+    kept = 4 if weights else 1  # the node's outputs: Y, and the weights as its fourth
+    by_length.op("Attention", [q, k, v, "", "", "", kv_lens], ["y_by_length", "", "", "w_by_length"][:kept],
+                 **attention)
 
     # Lengths per query: the mask arange(n_k) < valid_lens, True = attend, built in the graph as
     # models.masked_softmax builds it. Compared as int32: ONNX Runtime builds the (batch, n_q, n_k) mask in
@@ -152,19 +158,23 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
     positions = by_mask.op("Range", [g.const("zero", np.array(0, np.int32)), n_k,
                                      g.const("one", np.array(1, np.int32))], "positions")  # (n_k,)
     mask = by_mask.op("Less", [positions, lens], "mask")  # (batch, 1, n_q, n_k)
-    by_mask.op("Attention", [q, k, v, mask], ["y_by_mask", "", "", "w_by_mask"], **attention)
+    by_mask.op("Attention", [q, k, v, mask], ["y_by_mask", "", "", "w_by_mask"][:kept], **attention)
 
-    g.op("If", [per_example], [y, scores],
-         then_branch=by_length.subgraph("by_length", {"y_by_length": y_shape, "w_by_length": w_shape}),
-         else_branch=by_mask.subgraph("by_mask", {"y_by_mask": y_shape, "w_by_mask": w_shape}))
+    by_length_out, by_mask_out = {"y_by_length": y_shape}, {"y_by_mask": y_shape}
+    if weights:
+        by_length_out["w_by_length"] = by_mask_out["w_by_mask"] = w_shape
+    g.op("If", [per_example], [y, scores][:2 if weights else 1],
+         then_branch=by_length.subgraph("by_length", by_length_out),
+         else_branch=by_mask.subgraph("by_mask", by_mask_out))
 
     if kind == "dot_product":  # Reshapes to shapes from the inputs
         batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
         value_size = g.op("Shape", [values], "value_size", start=2, end=3)
         out_shape = g.op("Concat", [batch_n_q, value_size], "out_shape", axis=0)
-        weights_shape = g.op("Concat", [batch_n_q, n_k_1], "weights_shape", axis=0)
         g.op("Reshape", [y, out_shape], "outputs")
-        g.op("Reshape", [scores, weights_shape], "attention_weights")
+        if weights:
+            weights_shape = g.op("Concat", [batch_n_q, n_k_1], "weights_shape", axis=0)
+            g.op("Reshape", [scores, weights_shape], "attention_weights")
     else:  # Y's last axis is num_hiddens, a number: shape inference sizes it right
         g.linear(y, module.W_o, "W_o", output="outputs")
 
@@ -180,9 +190,10 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any]) -> onnx.ModelP
     return model
 
 
-def export_fused(module: nn.Module, kind: str, hp: dict[str, Any], path: Path) -> int:
-    """Write `module`'s fused graph to `path` (one self-contained file); returns the opset."""
-    model = fused_graph(kind, module, hp)
+def export_fused(module: nn.Module, kind: str, hp: dict[str, Any], path: Path, weights: bool = True) -> int:
+    """Write `module`'s fused graph (without the weights where `weights` is False) to `path` (one
+    self-contained file); returns the opset."""
+    model = fused_graph(kind, module, hp, weights)
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:

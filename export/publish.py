@@ -2,7 +2,8 @@
 
 Each version folder holds its model.onnx (the traced graph, for every execution provider), for
 dot_product, multi_head and self_attention also model.cpu.onnx (export.fused: ONNX's `Attention`,
-for the CPU execution provider), and its own config.json; the model's config.json (the same
+for the CPU execution provider) and model.cpu.outputs.onnx (the same without attention_weights, for
+batches that return none), and its own config.json; the model's config.json (the same
 as its newest version's) says which version is the newest.
 
 Nothing is half-written: the graph is exported and validated in a hidden folder inside the
@@ -25,6 +26,7 @@ from export.errors import ExportError
 from export.fused import FUSED_KINDS, export_fused
 from export.repository import (
     CPU_MODEL_FILE,
+    CPU_OUTPUTS_MODEL_FILE,
     MODEL_FILE,
     NAME_RULE,
     ModelConfig,
@@ -71,15 +73,19 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
         model_path = staging / MODEL_FILE
         opset = export_onnx(module, kind, hp, model_path)
         validate(module, kind, hp, model_path)
-        cpu_path = staging / CPU_MODEL_FILE
+        cpu_path, outputs_path = staging / CPU_MODEL_FILE, staging / CPU_OUTPUTS_MODEL_FILE
         cpu_opset = export_fused(module, kind, hp, cpu_path) if kind in FUSED_KINDS else None
         if cpu_opset is not None:
             validate(module, kind, hp, cpu_path)
+            export_fused(module, kind, hp, outputs_path, weights=False)
+            validate(module, kind, hp, outputs_path, weights=False)
         model_dir = repository / name
         model_dir.mkdir(exist_ok=True)
         version = _next_version(model_dir)
         variants = {} if cpu_opset is None else {
-            "cpu": {"file": f"{version}/{CPU_MODEL_FILE}", "sha256": sha256_of(cpu_path), "opset": cpu_opset}}
+            "cpu": {"file": f"{version}/{CPU_MODEL_FILE}", "sha256": sha256_of(cpu_path), "opset": cpu_opset},
+            "cpu_outputs": {"file": f"{version}/{CPU_OUTPUTS_MODEL_FILE}", "sha256": sha256_of(outputs_path),
+                            "opset": cpu_opset}}
         config = ModelConfig.build(
             name=name, kind=kind, version=version, hp=hp, opset=opset, sha256=sha256_of(model_path),
             versions={"torch": torch.__version__, "onnx": onnx.__version__}, variants=variants,

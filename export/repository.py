@@ -8,11 +8,14 @@ Layout::
     <repository>/<name>/<version>/model.onnx      one self-contained ONNX file, for every execution provider
     <repository>/<name>/<version>/model.cpu.onnx  dot_product, multi_head, self_attention: the same model as
                                                   ONNX's `Attention` operator (export.fused), for the CPU only
+    <repository>/<name>/<version>/model.cpu.outputs.onnx  the same, without attention_weights
 
 config.json names each file with its sha256: `model_file` and `sha256`, and per variant
-`variants[provider] = {"file", "sha256", "opset"}` (a repository written before variants has none, and
+`variants[variant] = {"file", "sha256", "opset"}` (a repository written before variants has none, and
 every provider runs model.onnx). The service runs `variants["cpu"]` where its sessions run on ONNX
-Runtime's CPU execution provider, and model.onnx elsewhere (`ModelConfig.graph_for`).
+Runtime's CPU execution provider, and model.onnx elsewhere (`ModelConfig.graph_for`); beside the CPU
+graph, `variants["cpu_outputs"]` for batches that want no weights (`ModelConfig.graph_without_weights`;
+versions exported before it have none, and run the CPU graph for every batch).
 
 Input and output names, dtypes and dynamic axes are declared once here, as data (`signature`),
 and used by the exporter (dynamic shapes), the validator and the service (start-up checks).
@@ -58,6 +61,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NAME_RULE = "1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
 MODEL_FILE = "model.onnx"
 CPU_MODEL_FILE = "model.cpu.onnx"
+# The CPU graph without the attention_weights output, for batches that return none (`return_weights: false`).
+CPU_OUTPUTS_MODEL_FILE = "model.cpu.outputs.onnx"
 KINDS = ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding")
 
 # The book's configurations: the default repository and the defaults of `--kind`.
@@ -224,7 +229,8 @@ class ModelConfig:
     sha256: str
     versions: dict[str, str] = field(default_factory=dict)  # torch, onnx, ... that made it
     model_file: str = ""
-    # Graphs of the same model for one execution provider: {"cpu": {"file", "sha256", "opset"}}.
+    # Graphs of the same model for one execution provider: {"cpu": {"file", "sha256", "opset"}}, and
+    # "cpu_outputs", the CPU graph without attention_weights.
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -251,12 +257,20 @@ class ModelConfig:
     def graph_for(self, cpu: bool) -> tuple[str, str, int]:
         """(file, sha256, opset) of the graph to run: the CPU variant where the session runs on the CPU
         execution provider and there is one, else model.onnx."""
-        variant = self.variants.get("cpu") if cpu else None
+        variant = self._variant("cpu") if cpu else None
+        return (self.model_file, self.sha256, self.opset) if variant is None else variant
+
+    def graph_without_weights(self) -> tuple[str, str, int] | None:
+        """(file, sha256, opset) of the CPU graph without attention_weights, where there is one."""
+        return self._variant("cpu_outputs")
+
+    def _variant(self, name: str) -> tuple[str, str, int] | None:
+        variant = self.variants.get(name)
         if variant is None:
-            return self.model_file, self.sha256, self.opset
+            return None
         if not (isinstance(variant, dict) and isinstance(variant.get("file"), str)
                 and isinstance(variant.get("sha256"), str) and isinstance(variant.get("opset"), int)):
-            raise ValueError('variants["cpu"] must be {"file": str, "sha256": str, "opset": int}')
+            raise ValueError(f'variants["{name}"] must be {{"file": str, "sha256": str, "opset": int}}')
         return variant["file"], variant["sha256"], variant["opset"]
 
     def input_specs(self) -> list[TensorSpec]:

@@ -335,8 +335,10 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
     begun = time.perf_counter()
     same = len(jobs) > 1 and _same_shapes(jobs)
     feed = merge(model, jobs, same)
+    # The graph without the weights where no job returns them (LoadedModel.run).
+    weights = jobs[0].request.return_weights if len(jobs) == 1 else any(j.request.return_weights for j in jobs)
     start = time.perf_counter()
-    outputs = model.run(feed)
+    outputs = model.run(feed, weights)
     seconds = time.perf_counter() - start
     metrics.model(model.name).inference.observe(seconds)
     if len(jobs) == 1:

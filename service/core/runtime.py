@@ -67,6 +67,9 @@ class LoadedModel:
     model_file: str = ""
     sha256: str = ""
     opset: int = 0
+    # Beside the CPU graph, its twin without attention_weights (config.json's variants["cpu_outputs"], where
+    # the version has one): what a batch that returns no weights runs (`run`).
+    session_without_weights: ort.InferenceSession | None = None
     # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
     # (its _Plan): they go with the snapshot, as its signature does.
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -127,12 +130,21 @@ class LoadedModel:
     def output_names(self) -> frozenset[str]:
         return frozenset(self._output_names)
 
-    def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    @functools.cached_property
+    def _output_names_without_weights(self) -> list[str]:
+        return [name for name in self._output_names if name != "attention_weights"]
+
+    def run(self, feed: dict[str, np.ndarray], weights: bool = True) -> dict[str, np.ndarray]:
         """Every output of the graph by name (`outputs`, `attention_weights`, and `P` for the
-        positional encoding). Thread-safe: ORT allows concurrent Run on one session (and a RunOptions is
-        only read by it). ONNX Runtime's public API: with a RunOptions given (ORT makes one a call
-        otherwise) it costs the book's toy request ~1 us more than the private C++ session's run did,
-        IO binding ~5 us more (`python bench/ort_call.py`, docs/benchmarks.md)."""
+        positional encoding); with `weights` False, where the model has a graph without
+        attention_weights, that graph's outputs (it does not copy the weights out: 5-18% less time from
+        n = 128, `python bench/compute.py`). Thread-safe: ORT allows concurrent Run on one session (and a
+        RunOptions is only read by it). ONNX Runtime's public API: with a RunOptions given (ORT makes one
+        a call otherwise) it costs the book's toy request ~1 us more than the private C++ session's run
+        did, IO binding ~5 us more (`python bench/ort_call.py`, docs/benchmarks.md)."""
+        if not weights and self.session_without_weights is not None:
+            names = self._output_names_without_weights
+            return dict(zip(names, self.session_without_weights.run(names, feed, _RUN_OPTIONS), strict=True))
         return dict(zip(self._output_names, self.session.run(self._output_names, feed, _RUN_OPTIONS), strict=True))
 
     def describe(self) -> dict[str, Any]:
@@ -233,11 +245,16 @@ def _new_session(path: Path, options: ort.SessionOptions, providers: list[Any]) 
     return session, _cuda_failure(captured[0])
 
 
-def _check_signature(model: LoadedModel) -> None:
-    got_in = [(i.name, i.type, list(i.shape)) for i in model.session.get_inputs()]
+def _check_signature(model: LoadedModel, session: ort.InferenceSession | None = None) -> None:
+    """That the session's (or `session`'s: the graph without the weights) inputs and outputs are
+    config.json's (but attention_weights, for that graph)."""
+    weights = session is None
+    session = session or model.session
+    got_in = [(i.name, i.type, list(i.shape)) for i in session.get_inputs()]
     want_in = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.input_specs()]
-    got_out = [(o.name, o.type, list(o.shape)) for o in model.session.get_outputs()]
-    want_out = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.output_specs()]
+    got_out = [(o.name, o.type, list(o.shape)) for o in session.get_outputs()]
+    want_out = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.output_specs()
+                if weights or s.name != "attention_weights"]
 
     def agree(got: list[tuple[str, str, list]], want: list[tuple[str, str, list]]) -> bool:
         return len(got) == len(want) and all(g[:2] == w[:2] and shape_agrees(g[2], w[2])
@@ -269,6 +286,7 @@ def warm_up(model: LoadedModel) -> None:
     for feed in feeds:
         outputs = model.run(feed)
         elements.append(sum(a.size for a in feed.values()) + sum(a.size for a in outputs.values()))
+        model.run(feed, weights=False)  # the graph without the weights, where there is one
     fastest = [float("inf")] * len(feeds)
     for _ in range(_TIMED_RUNS):
         for i, feed in enumerate(feeds):
@@ -324,9 +342,10 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     try:
         config = read_config(model_dir, version)
         portable, cpu_graph = config.graph_for(cpu=False), config.graph_for(cpu=True)
+        without_weights = config.graph_without_weights() if cpu_graph != portable else None
     except Exception as e:
         raise StartupError(f"model {shown}: unreadable config.json: {_without_paths(str(e), model_dir)}") from e
-    for graph in dict.fromkeys((portable, cpu_graph)):
+    for graph in dict.fromkeys(g for g in (portable, cpu_graph, without_weights) if g is not None):
         _check_file(model_dir, config, graph)
     # A provider given with options is a tuple (CUDA's): only a plain "CPUExecutionProvider" is the CPU.
     graph = cpu_graph if all(p == CPU for p in providers) else portable
@@ -343,6 +362,9 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     model = LoadedModel(config=config, session=session, provider=provider, cuda_failure=cuda_failure,
                         model_file=graph[0], sha256=graph[1], opset=graph[2])
     _check_signature(model)
+    if graph == cpu_graph and without_weights is not None:
+        model.session_without_weights, _ = _open(model_dir, config, without_weights, intra_op_threads, [CPU])
+        _check_signature(model, model.session_without_weights)
     return model
 
 

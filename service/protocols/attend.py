@@ -655,7 +655,7 @@ def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMI
     """Decode, run and encode one request, in the calling thread, with no queue: the in-process
     benchmark's and the tests' reference."""
     request = decode_body(body, registry, limits)
-    return encode_attend(request.model, request.model.run(request.feed), request.return_weights)
+    return encode_attend(request.model, request.model.run(request.feed, request.return_weights), request.return_weights)
 
 
 class AttendCodec:

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.build import build_module
+from export.build import build_module, make_inputs
 from export.cli import main
 from export.errors import ExportError, ValidationError
 from export.fused import FUSED_KINDS, fused_graph
@@ -22,8 +22,10 @@ from export.repository import (
     read_config,
     sha256_of,
     shape_agrees,
+    signature,
+    valid_lens_2d,
 )
-from export.validate import run_case, sweep
+from export.validate import _valid_lens, run_case, sweep
 from tests import book
 from tests.export.test_export import _extra_cases
 from tests.models import oracle
@@ -224,3 +226,32 @@ def test_lengths_one_a_row_build_no_mask(repository, kind, tmp_path):
     for lens, ran, skipped in ((per_example, "y_by_length", "y_by_mask"), (per_query, "y_by_mask", "y_by_length")):
         nodes = _nodes_run(path, {**feed, "valid_lens": lens}, tmp_path)
         assert ran in nodes and skipped not in nodes and ("mask" in nodes) == (ran == "y_by_mask"), lens
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_the_cpu_graph_without_weights_is_the_cpu_graph_less_its_weights(repository, kind):
+    """model.cpu.outputs.onnx: named in config.json with its sha256, the same nodes without the weights
+    output (the `Attention` nodes' fourth, dot_product's Reshape of it), and the same outputs as
+    model.cpu.onnx to the bit on the validator's sweep and more, both forms of lengths among them."""
+    config = read_config(repository / kind)
+    variant = config.variants["cpu_outputs"]
+    path = repository / kind / variant["file"]
+    assert variant == {"file": "1/model.cpu.outputs.onnx", "sha256": sha256_of(path), "opset": 24}
+    assert config.graph_without_weights() == ("1/model.cpu.outputs.onnx", variant["sha256"], 24)
+    model = onnx.load(str(path))
+    assert [o.name for o in model.graph.output] == ["outputs"]
+    choice = next(node for node in model.graph.node if node.op_type == "If")
+    for branch in choice.attribute:
+        attention = next(node for node in branch.g.node if node.op_type == "Attention")
+        assert list(attention.output) == [attention.output[0]], branch.name  # Y alone
+    without, whole = _session(path), _session(repository / kind / config.variants["cpu"]["file"])
+    hp = default_hyperparameters(kind)
+    inputs, _ = signature(kind, hp)
+    for seed, case in enumerate(sweep(kind, hp) + _extra_cases(kind)):
+        sizes = {"batch": case.batch, "n_q": case.n_q, "n_k": case.n_k, "n": case.n_q, "d": case.d,
+                 "value_size": case.value_size}
+        feed = {spec.name: t.numpy() for spec, t in zip(inputs, make_inputs(kind, hp, sizes, seed), strict=True)}
+        lens = _valid_lens(case, case.n_k, np.random.default_rng(seed))
+        feed["valid_lens"] = valid_lens_2d(lens, case.batch, case.n_q, case.n_k)
+        (alone,) = without.run(["outputs"], feed)
+        np.testing.assert_array_equal(alone, whole.run(["outputs"], feed)[0], err_msg=str(case))

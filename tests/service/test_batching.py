@@ -747,3 +747,32 @@ async def _asgi_partial(app, first, then, headers=()):
             return await then()
 
     return await _call(app, receive, headers)
+
+
+@pytest.mark.parametrize("wants", [(False,), (False, False, False), (False, True, False), (True,)])
+def test_a_batch_runs_the_graph_without_weights_when_no_job_returns_them(reference, wants):
+    """The graph without attention_weights (model.cpu.outputs.onnx) runs a batch where no job wants them,
+    the CPU graph where any one does; each job gets what it asked for, the outputs the same either way."""
+    rng = np.random.default_rng(len(wants))
+    bodies = [json.loads(make_body("dot_product", rng, 2, 3 + i, 5, "2d")) | {"return_weights": w}
+              for i, w in enumerate(wants)]
+    jobs = [Job(reference.decode(json.dumps(b).encode()), float("inf"), encode=encode_attend) for b in bodies]
+    model = jobs[0].request.model
+    assert model.session_without_weights is not None
+    asked: list[bool] = []
+
+    class Recording:  # the real model, its run's `weights` recorded
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def run(self, feed, weights=True):
+            asked.append(weights)
+            return model.run(feed, weights)
+
+    results, _ = run_batch(Recording(), jobs, Metrics())
+    assert asked == [any(wants)]
+    for body, result, wanted in zip(bodies, results, wants, strict=True):
+        got = orjson.loads(result)
+        alone = orjson.loads(reference.attend(json.dumps(body | {"return_weights": True}).encode()))
+        assert (got["attention_weights"] is not None) == wanted
+        np.testing.assert_allclose(got["outputs"], alone["outputs"], rtol=1e-6, atol=1e-7)

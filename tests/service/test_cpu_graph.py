@@ -1,7 +1,9 @@
 """The CPU graph (config.json's variants["cpu"], model.cpu.onnx) in the service: served where the CPU
 execution provider runs the model, said by GET /models/{name}, the oracle's numbers through HTTP for
 1-D and 2-D valid lengths (0 and full among them), checked at load as model.onnx is (a broken one is
-refused with its reason), loaded again with a new version; a repository without variants still serves."""
+refused with its reason), loaded again with a new version; a repository without variants still serves.
+Its twin without the weights (variants["cpu_outputs"], model.cpu.outputs.onnx) answers what returns no
+weights, with the same outputs, and is checked at load as the others."""
 
 import json
 import shutil
@@ -13,7 +15,7 @@ import torch
 
 from export.build import build_module
 from export.cli import main as export
-from export.repository import default_hyperparameters, sha256_of
+from export.repository import default_hyperparameters, example_feed, sha256_of
 from service.core.runtime import CPU, Registry, StartupError
 from tests.models import oracle
 from tests.server import running_service
@@ -53,7 +55,13 @@ def _lens(form, batch, n_q, n_k, rng):
 def _post(url, body):
     response = httpx.post(f"{url}/attend", json=body, timeout=30)
     assert response.status_code == 200, response.text
-    return np.array(response.json()["outputs"]), np.array(response.json()["attention_weights"])
+    outputs, weights = np.array(response.json()["outputs"]), np.array(response.json()["attention_weights"])
+    # The same request without the weights (the graph without them): the same outputs, to the bit.
+    response = httpx.post(f"{url}/attend", json={**body, "return_weights": False}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["attention_weights"] is None
+    np.testing.assert_array_equal(np.array(response.json()["outputs"]), outputs)
+    return outputs, weights
 
 
 def test_the_service_serves_the_cpu_graph_with_the_oracles_numbers(repo):
@@ -138,6 +146,24 @@ def _variant_malformed(repo):
     _write_config(repo, "dot_product", config)
 
 
+def _outputs_graph_wrong_sha(repo):
+    path = repo / "dot_product" / "1" / "model.cpu.outputs.onnx"
+    path.write_bytes(path.read_bytes() + b"\x00")
+
+
+def _outputs_graph_with_the_weights(repo):
+    # model.cpu.onnx in its place, with a fitting hash: one output too many
+    path = repo / "dot_product" / "1" / "model.cpu.outputs.onnx"
+    shutil.copy(repo / "dot_product" / "1" / "model.cpu.onnx", path)
+    config = _config(repo, "dot_product")
+    config["variants"]["cpu_outputs"]["sha256"] = sha256_of(path)
+    _write_config(repo, "dot_product", config)
+
+
+def _outputs_graph_missing(repo):
+    (repo / "dot_product" / "1" / "model.cpu.outputs.onnx").unlink()
+
+
 def _unused_model_onnx_wrong_sha(repo):
     # On the CPU model.onnx is not served, but a version is served whole or not at all.
     path = repo / "dot_product" / "1" / "model.onnx"
@@ -151,6 +177,9 @@ BREAKAGES = [
     (_variant_missing, "model dot_product: dot_product/1/model.cpu.onnx is missing"),
     (_variant_malformed, r"model dot_product: unreadable config.json: variants\[\"cpu\"\] must be"),
     (_unused_model_onnx_wrong_sha, "model dot_product: sha256 of dot_product/1/model.onnx is"),
+    (_outputs_graph_wrong_sha, "model dot_product: sha256 of dot_product/1/model.cpu.outputs.onnx is [0-9a-f]{64}, "),
+    (_outputs_graph_with_the_weights, r"model dot_product: the graph's inputs/outputs .*'attention_weights'.* do not"),
+    (_outputs_graph_missing, "model dot_product: dot_product/1/model.cpu.outputs.onnx is missing"),
 ]
 
 
@@ -216,3 +245,35 @@ def test_a_new_version_loads_with_its_cpu_graph_and_a_broken_one_is_refused(repo
         described = httpx.get(f"{url}/models/multi_head", timeout=10).json()
         assert (described["version"], described["model_file"]) == (2, "2/model.cpu.onnx")  # 2 keeps serving
         np.testing.assert_allclose(_post(url, body)[0], out, rtol=0, atol=0)
+
+
+def test_a_batch_without_weights_runs_the_graph_without_them(repo):
+    """LoadedModel.run(feed, weights=False): the session of model.cpu.outputs.onnx, which has no
+    attention_weights, gives the CPU graph's outputs to the bit, lengths per example and per query; a
+    model without that graph (additive; a version from before it) runs its one graph."""
+    registry = Registry.load(repo, "cpu", 1)
+    rng = np.random.default_rng(4)
+    for name in FUSED:
+        model = registry.get(name)
+        outputs = [o.name for o in model.session_without_weights.get_outputs()]
+        assert outputs == ["outputs"] and model.describe()["model_file"] == "1/model.cpu.onnx"
+        f = 6 if name == "dot_product" else 100
+        for lens in (np.array([[2] * 5, [0] * 5, [7] * 5]), np.array([[2, 3, 0, 7, 1], [0] * 5, [7] * 5])):
+            feed = {"queries": rng.standard_normal((3, 5, f), dtype=np.float32), "valid_lens": lens}
+            if name != "self_attention":
+                n_k = 7
+                feed["keys"] = rng.standard_normal((3, n_k, f), dtype=np.float32)
+                feed["values"] = rng.standard_normal((3, n_k, 4 if name == "dot_product" else f), dtype=np.float32)
+            else:
+                feed["valid_lens"] = np.minimum(lens, 5)
+            whole, alone = model.run(feed), model.run(feed, weights=False)
+            assert set(whole) == {"outputs", "attention_weights"} and set(alone) == {"outputs"}
+            np.testing.assert_array_equal(alone["outputs"], whole["outputs"])
+    assert registry.get("additive").session_without_weights is None
+    assert set(registry.get("additive").run(example_feed("additive", default_hyperparameters("additive"), {
+        "batch": 1, "n_q": 2, "n_k": 3, "d": 4, "value_size": 5}, rng), weights=False)) == {
+        "outputs", "attention_weights"}
+    config = _config(repo, "dot_product")
+    del config["variants"]["cpu_outputs"]  # as exported before it
+    _write_config(repo, "dot_product", config)
+    assert Registry.load(repo, "cpu", 1).get("dot_product").session_without_weights is None
