@@ -1,6 +1,8 @@
 """The CPU graph of the dot-product family: ONNX's `Attention` operator (opset 24) in place of the traced
 MatMul, Mul, Where, Softmax, Where, MatMul, built from the same module's weights and served only on ONNX
-Runtime's CPU execution provider (config.json's `variants["cpu"]`).
+Runtime's CPU execution provider (config.json's `variants["cpu"]`); and its twin without the
+attention_weights output (`weights=False`, model.cpu.outputs.onnx, `variants["cpu_outputs"]`), which the
+service runs for a batch that returns no weights: its nodes do not copy the weights out.
 
 Why a second graph: on the CPU the node is one kernel that keeps the scores in one buffer (the mask
 added, the softmax taken in place), where the traced graph makes a new (batch, heads, n_q, n_k) tensor at
