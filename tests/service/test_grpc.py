@@ -454,10 +454,10 @@ def test_off_with_port_zero_and_a_taken_port_stops_the_start(repository, tmp_pat
 
 
 def _slow_call(port):
-    """A client, the inputs of a dot-product call that runs for a while (6 x 2048 x 2048 scores), its
-    outputs, and how long it took warm (its runs go to an inference thread from then on)."""
+    """A client, the inputs of a dot-product call that runs for a while (3 x 4096 x 4096 scores, a 9 MB
+    message), its outputs, and how long it took warm (its runs go to an inference thread from then on)."""
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    q = np.random.default_rng(4).normal(size=(6, 2048, 64)).astype(np.float32)
+    q = np.random.default_rng(4).normal(size=(3, 4096, 64)).astype(np.float32)
     inputs = []
     for name in ("queries", "keys", "values"):
         tensor = grpcclient.InferInput(name, list(q.shape), "FP32")
@@ -489,29 +489,33 @@ def _grpc_count(url, status, family="attend_requests_total"):
 
 def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository):
     port = free_port()
-    # Slow calls in flight at once: room for all in the in-flight budget, and a batch of one call's 6 rows at
+    # Slow calls in flight at once: room for all in the in-flight budget, and a batch of one call's 3 rows at
     # most and one inference thread (so that each waits in the queue: not merged into another's run, nor run
     # beside it).
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
-                         ATTEND_MAX_BATCH_ROWS="6", ATTEND_INFERENCE_THREADS="1") as (url, _):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(8 << 30),
+                         ATTEND_MAX_BATCH_ROWS="3", ATTEND_INFERENCE_THREADS="1") as (url, _):
         client, inputs, outputs, alone, _ = _slow_call(port)
-        # Three calls that run for `alone` each, one after the other, and one behind them, waiting for the
-        # inference thread: cancelled once it is admitted (cancelled at a guessed time, it raced its run's end,
-        # which now and then came first; with fewer calls ahead, they now and then ended before the last one's
-        # 9 MB message was in, on a busy machine: two were enough until the graph without the weights and
-        # without a mask made each run shorter).
+        # Three calls that run for `alone` each, one after the other, and a small one behind them, waiting
+        # for the inference thread: cancelled once it is admitted (cancelled at a guessed time, it raced its
+        # run's end, which now and then came first). Small, so that it is taken in at once: a third slow
+        # call's 9 MB message now and then took longer to come in, on a busy machine, than the runs ahead of
+        # it (shorter since the graph without the weights).
         ahead = [threading.Event(), threading.Event(), threading.Event()]
         done = threading.Event()
         for event in ahead:
             client.async_infer("dot_product", inputs, lambda result, error, event=event: event.set(),
                                outputs=outputs)
         time.sleep(alone / 10)
-        call = client.async_infer("dot_product", inputs, lambda result, error: done.set(), outputs=outputs)
+        small = []
+        for name in ("queries", "keys", "values"):
+            small.append(grpcclient.InferInput(name, [1, 4, 8], "FP32"))
+            small[-1].set_data_from_numpy(np.ones((1, 4, 8), np.float32))
+        call = client.async_infer("dot_product", small, lambda result, error: done.set(), outputs=outputs)
         waiting = time.monotonic() + 10
         while _in_flight(url) < 4 and not ahead[-1].is_set() and time.monotonic() < waiting:
-            # Until the third call's message is in and it is admitted. Not every 2 ms: each scrape takes
-            # the service's event loop for a while, the loop that is taking in that 9 MB message.
+            # Until the small call is in and admitted. Not every 2 ms: each scrape takes the service's event
+            # loop for a while, the loop that is taking in the messages.
             time.sleep(0.02)
         assert not ahead[-1].is_set(), "the calls ahead ended before the last one was admitted"
         call.cancel()
@@ -537,7 +541,8 @@ def test_sigterm_drains_a_call_in_flight(repository):
     the signal, a second call at once is over ATTEND_MAX_CONNECTIONS (1): UNAVAILABLE."""
     port = free_port()
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_CONNECTIONS="1") as (url, proc):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
+                         ATTEND_MAX_CONNECTIONS="1") as (url, proc):
         client, inputs, outputs, alone, q = _slow_call(port)
         with ThreadPoolExecutor(1) as pool:
             call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
