@@ -70,6 +70,7 @@ class LoadedModel:
     # Beside the CPU graph, its twin without attention_weights (config.json's variants["cpu_outputs"], where
     # the version has one): what a batch that returns no weights runs (`run`).
     session_without_weights: ort.InferenceSession | None = None
+    model_file_without_weights: str = ""  # its file, relative to the model's folder
     # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
     # (its _Plan): they go with the snapshot, as its signature does.
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -163,6 +164,8 @@ class LoadedModel:
             "model_file": self.model_file or self.config.model_file,
             "opset": self.opset or self.config.opset,
             "sha256": self.sha256 or self.config.sha256,
+            # What a batch that returns no weights runs, where it is another graph (else model_file).
+            "model_file_without_weights": self.model_file_without_weights or None,
         }
 
 
@@ -364,6 +367,7 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     _check_signature(model)
     if graph == cpu_graph and without_weights is not None:
         model.session_without_weights, _ = _open(model_dir, config, without_weights, intra_op_threads, [CPU])
+        model.model_file_without_weights = without_weights[0]
         _check_signature(model, model.session_without_weights)
     return model
 

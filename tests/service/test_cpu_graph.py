@@ -76,8 +76,10 @@ def test_the_service_serves_the_cpu_graph_with_the_oracles_numbers(repo):
             assert described["provider"] == CPU
             if name == "additive":  # no CPU graph: model.onnx
                 assert (described["model_file"], described["sha256"]) == ("1/model.onnx", config["sha256"])
+                assert described["model_file_without_weights"] is None
             else:
                 assert described["model_file"] == "1/model.cpu.onnx" and described["opset"] == 24
+                assert described["model_file_without_weights"] == "1/model.cpu.outputs.onnx"
                 assert described["sha256"] == config["variants"]["cpu"]["sha256"] == \
                     sha256_of(repo / name / "1" / "model.cpu.onnx")
         for form in ("1d", "2d"):
@@ -202,6 +204,7 @@ def test_a_repository_without_variants_serves_model_onnx(repo):
     for name in FUSED:
         model = registry.get(name)
         assert model.describe()["model_file"] == "1/model.onnx" and model.config.variants == {}
+        assert model.describe()["model_file_without_weights"] is None
         assert model.describe()["sha256"] == _config(repo, name)["sha256"]
     feed = {"queries": np.ones((1, 2, 3), np.float32), "keys": np.ones((1, 4, 3), np.float32),
             "values": np.arange(8, dtype=np.float32).reshape(1, 4, 2), "valid_lens": np.array([[2, 0]])}
