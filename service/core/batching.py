@@ -336,7 +336,7 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
     same = len(jobs) > 1 and _same_shapes(jobs)
     feed = merge(model, jobs, same)
     # The graph without the weights where no job returns them (LoadedModel.run).
-    weights = jobs[0].request.return_weights if len(jobs) == 1 else any(j.request.return_weights for j in jobs)
+    weights = any(job.request.return_weights for job in jobs)
     start = time.perf_counter()
     outputs = model.run(feed, weights)
     seconds = time.perf_counter() - start

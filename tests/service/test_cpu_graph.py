@@ -129,13 +129,18 @@ def _variant_corrupt(repo):
     _write_config(repo, "dot_product", config)
 
 
+def _swap_in(repo, variant, source):
+    """`source`, a valid graph, in the place of dot_product's `variant`, config.json naming its hash."""
+    config = _config(repo, "dot_product")
+    path = repo / "dot_product" / config["variants"][variant]["file"]
+    shutil.copy(source, path)
+    config["variants"][variant]["sha256"] = sha256_of(path)
+    _write_config(repo, "dot_product", config)
+
+
 def _variant_of_another_signature(repo):
     # additive's model.onnx, a valid graph with a fitting hash, in dot_product's place: other inputs
-    path = repo / "dot_product" / "1" / "model.cpu.onnx"
-    shutil.copy(repo / "additive" / "1" / "model.onnx", path)
-    config = _config(repo, "dot_product")
-    config["variants"]["cpu"]["sha256"] = sha256_of(path)
-    _write_config(repo, "dot_product", config)
+    _swap_in(repo, "cpu", repo / "additive" / "1" / "model.onnx")
 
 
 def _variant_missing(repo):
@@ -155,11 +160,7 @@ def _outputs_graph_wrong_sha(repo):
 
 def _outputs_graph_with_the_weights(repo):
     # model.cpu.onnx in its place, with a fitting hash: one output too many
-    path = repo / "dot_product" / "1" / "model.cpu.outputs.onnx"
-    shutil.copy(repo / "dot_product" / "1" / "model.cpu.onnx", path)
-    config = _config(repo, "dot_product")
-    config["variants"]["cpu_outputs"]["sha256"] = sha256_of(path)
-    _write_config(repo, "dot_product", config)
+    _swap_in(repo, "cpu_outputs", repo / "dot_product" / "1" / "model.cpu.onnx")
 
 
 def _outputs_graph_missing(repo):
