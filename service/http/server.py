@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import os
 import resource
 import signal
 import socket
+import struct
+import sys
 import tempfile
 import threading
 from types import FrameType
@@ -29,6 +32,9 @@ _ACCEPT_S = 0.5
 
 
 _SETTLE_S = 1.0
+# Then the listener takes no new handshake, and those under way have this long to complete (one round
+# trip: microseconds on this machine, a millisecond or two across a data centre).
+_HANDSHAKE_S = 0.05
 
 
 class GracefulServer(uvicorn.Server):
@@ -82,15 +88,20 @@ class GracefulServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         listeners = [socket.socket(fileno=os.dup(s.fileno())) for server in self.servers
                      for s in (server.sockets or ())]
+        # The last copy of a listening socket to close resets the connections in its accept queue:
+        # each had connected and sent its request, and would be lost unanswered. So the listener
+        # first answers no new handshake (the client's SYN dropped: it sends it again a second later
+        # and finds the port closed), the handshakes under way complete, and the queue is taken in
+        # one go before the close. Without the first step, a connection could still come between
+        # an empty accept() and close(): milliseconds when another thread holds the GIL (CI once
+        # reset a client of test_workers ~0.6 s after SIGTERM; `python bench/sigterm_drops.py`).
+        refusing = [refuse_handshakes(listener) for listener in listeners]  # each of them, not any()'s first
+        if any(refusing):
+            await asyncio.sleep(_HANDSHAKE_S)
         for server in self.servers:
             server.close()
         for sock in sockets or []:
             sock.close()
-        # The last copy of a listening socket to close resets the connections still in its accept
-        # queue, the event loop having stopped taking them. Take them in one go, then close: the
-        # window where a connection can still be reset shrinks from the loop's last turn to the
-        # microseconds between an empty accept() and close() (and is gone while a sibling worker
-        # still holds the socket).
         for listener in listeners:
             accepted = []
             listener.setblocking(False)
@@ -136,6 +147,32 @@ class GracefulServer(uvicorn.Server):
         if dataplane is not None and dataplane.ready:
             log.info("signal %d: not ready; finishing %d requests in flight", sig, dataplane.in_flight)
             dataplane.stop_accepting()
+
+
+# A classic BPF program for a TCP socket (it sees the TCP header): drop a segment with SYN set, keep
+# the rest. On a listener, new handshakes go unanswered; those already under way complete.
+_DROP_SYN = b"".join(struct.pack("HBBI", *insn) for insn in (
+    (0x30, 0, 0, 13),  # ldb [13]: the flags byte
+    (0x45, 0, 1, 0x02),  # jset #SYN: next, else skip one
+    (0x06, 0, 0, 0),  # ret #0: drop
+    (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1: keep
+))
+_SO_ATTACH_FILTER = 26
+
+
+def refuse_handshakes(listener: socket.socket) -> bool:
+    """Make the listening socket `listener` answer no new connection (Linux: a socket filter that
+    drops SYNs), so that it can be emptied and closed without resetting a connection the kernel
+    completed in between. False where this cannot be done (another system)."""
+    if sys.platform != "linux":
+        return False
+    program = ctypes.create_string_buffer(_DROP_SYN, len(_DROP_SYN))
+    fprog = struct.pack("HL", len(_DROP_SYN) // 8, ctypes.addressof(program))  # struct sock_fprog
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+    except OSError:
+        return False
+    return True
 
 
 def serving_url(server: uvicorn.Server) -> str:

@@ -95,7 +95,7 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
                 except httpx.ConnectError:
                     results.append(("refused", sent, None))
                 except httpx.HTTPError as e:
-                    results.append((type(e).__name__, sent, None))
+                    results.append((type(e).__name__, sent, shape, time.monotonic()))
                 if not repeat or stop_sending.is_set():
                     return
 
@@ -128,7 +128,9 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
         code = proc.wait(timeout=60)
 
     statuses = {r[0] for r in results}
-    assert statuses <= {200, "refused"}, [r for r in results if r[0] not in (200, "refused")]
+    failed = [(error, f"sent {sent - sigterm_at:+.3f} s from the signal, failed {ended - sigterm_at:+.3f} s", shape)
+              for error, sent, shape, ended in (r for r in results if r[0] not in (200, "refused"))]
+    assert statuses <= {200, "refused"}, (failed, log_path.read_text()[-3000:])
     answered_after = sum(r[0] == 200 and r[1] > sigterm_at for r in results)
     assert answered_after >= 1  # requests sent after the signal were served, not dropped
     assert sum(r[0] == 200 and r[2] == (8, 256, 64) for r in results) == 12  # every heavy one answered
