@@ -120,7 +120,8 @@ class Job:
             sizes = _sizes(request)
             if memo is not None:
                 memo["job sizes"] = sizes
-        self.axes, self.rows, self.n_q, self.n_k, self.key, self.cost, self.shape, self.elements = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements = sizes
+        self.cost = costs[0] if request.return_weights else costs[1]  # the weights in the answer, or not
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class _SizePlan:
     others: tuple[str, ...]  # the axes but batch, in that order (Job.shape)
     outputs: tuple[tuple[int, tuple[str, ...], bool], ...]  # an output's fixed sizes' product, its named axes,
     # whether it is the attention weights
+    hidden: int  # the numbers a weight is computed from (additive attention's num_hiddens; else 0)
 
     @staticmethod
     def of(model: LoadedModel) -> _SizePlan:
@@ -143,14 +145,15 @@ class _SizePlan:
             outputs = tuple((math.prod(d for d in spec.shape if d.__class__ is int),
                              tuple(d for d in spec.shape if d.__class__ is str), spec.name == "attention_weights")
                             for spec in model.outputs)
+            hidden = int(model.config.hyperparameters.get("num_hiddens", 0)) if model.kind == "additive" else 0
             plan = model.derived["job sizes"] = _SizePlan(reads, tuple(a for a in order if a in fixed),
-                                                          tuple(a for a in order if a != "batch"), outputs)
+                                                          tuple(a for a in order if a != "batch"), outputs, hidden)
         return plan
 
 
-def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, int, tuple[int, ...], int]:
-    """A Job's axes, rows, n_q, n_k, key, what its arrays, run and answer cost in memory
-    (service.core.cost.answer), shape and elements, from its request's shapes."""
+def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int], tuple[int, ...], int]:
+    """A Job's axes, rows, n_q, n_k, key, what its arrays, run and answer cost in memory with the weights
+    in the answer and without (service.core.cost.answer), shape and elements, from its request's shapes."""
     plan = _SizePlan.of(request.model)
     feed = request.feed
     axes = {axis: feed[name].shape[i] for name, i, axis in plan.reads}
@@ -164,8 +167,8 @@ def _sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, int,
         outputs += size
         if is_weights:
             weights = size
-    cost = answer(elements, outputs, weights)
-    return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), cost,
+    costs = (answer(elements, outputs, weights, plan.hidden), answer(elements, outputs, weights, plan.hidden, False))
+    return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), costs,
             tuple([axes[a] for a in plan.others]), elements + outputs)
 
 

@@ -14,7 +14,8 @@ theirs is. A request's reservation grows and shrinks with it (`Cost.hold`), stag
     decoded: binary tensors     the body (read in place), and an aligned copy or a float32 cast of each
                                 tensor where it needs one
     run and answered            the inputs, the outputs, ONNX Runtime's intermediates of the attention
-                                weights, and the encoded answer
+                                weights (additive attention's of each hidden unit), and the encoded
+                                answer (the weights' JSON only where they are asked for)
 
 The constants are measured (peak resident memory of a decode or a run, over a sweep of sizes and forms:
 `python tests/load/membound.py`, docs/reliability.md), with room above each.
@@ -44,9 +45,15 @@ _PER_ARRAY = 56
 _PER_BODY_BYTE = 4
 # An output number: float32 (4) and its JSON (up to ~16: -1.2345678e-05,); the attention weights also ONNX
 # Runtime's intermediates (the scores and their masked copies; the largest weights the limits allow
-# measured ~31 bytes a weight in all).
+# measured ~31 bytes a weight in all). Weights not asked for are not encoded: their float32 (where the
+# graph that runs makes them) and the intermediates.
 _PER_OUTPUT = 20
 _PER_WEIGHT = 20
+_PER_UNSENT_WEIGHT = 4 + _PER_WEIGHT
+# Additive attention's scoring holds num_hiddens numbers a weight: the broadcast sum of the projected
+# queries and keys, and its tanh (two float32 buffers; the largest weights measured ~6 bytes a hidden unit
+# a weight, returned or not: `python tests/load/membound.py`).
+_PER_HIDDEN = 8
 _SCAN_CHUNK = 1 << 20
 
 
@@ -108,10 +115,12 @@ def binary_decode(count: int, itemsize: int, floating: bool, misaligned: bool) -
     return size
 
 
-def answer(inputs: int, outputs: int, weights: int) -> int:
+def answer(inputs: int, outputs: int, weights: int, hidden: int = 0, sent: bool = True) -> int:
     """A decoded request's arrays (`inputs` float32 numbers) and its run and answer: `outputs` numbers
-    out, `weights` of them the attention weights."""
-    return 4 * inputs + _PER_OUTPUT * outputs + _PER_WEIGHT * weights
+    out, `weights` of them the attention weights, each computed from `hidden` numbers (additive
+    attention's num_hiddens; 0 where the scores are dot products), and `sent` in the answer or not."""
+    per_weight = (_PER_OUTPUT + _PER_WEIGHT if sent else _PER_UNSENT_WEIGHT) + _PER_HIDDEN * hidden
+    return 4 * inputs + _PER_OUTPUT * (outputs - weights) + per_weight * weights
 
 
 class Budget:

@@ -39,14 +39,18 @@ def status_mib(pid: int, field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def largest_weights(elements: int) -> Body:
+def largest_weights(elements: int, model: str = "dot_product", sent: bool = True) -> Body:
+    """A request with `elements` attention weights (batch x 1024 x 1024), returned or not."""
     n = 1024
     batch = max(1, elements // (n * n))
     rng = np.random.default_rng(0)
-    content = json.dumps({"model": "dot_product", "queries": rng.normal(size=(batch, n, 1)).round(3).tolist(),
-                          "keys": rng.normal(size=(batch, n, 1)).round(3).tolist(),
-                          "values": rng.normal(size=(batch, n, 1)).round(3).tolist()}).encode()
-    return Body("the largest attention weights (JSON answer)", ATTEND, content, {"content-type": "application/json"})
+    sizes = {"dot_product": (1, 1), "additive": (20, 2)}[model]  # the query and key sizes it takes
+    content = json.dumps({"model": model, "queries": rng.normal(size=(batch, n, sizes[0])).round(3).tolist(),
+                          "keys": rng.normal(size=(batch, n, sizes[1])).round(3).tolist(),
+                          "values": rng.normal(size=(batch, n, 1)).round(3).tolist(), "return_weights": sent}).encode()
+    answer = "JSON answer" if sent else "not returned"
+    return Body(f"the largest attention weights, {model} ({answer})", ATTEND, content,
+                {"content-type": "application/json"})
 
 
 def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, str]:
@@ -88,7 +92,9 @@ def main() -> int:
     args = parser.parse_args()
     settings = Settings()
     registry = Registry.load(args.repository, "cpu", 1)
-    bodies = every_form(int(args.mib * 2**20)) + [largest_weights(settings.max_weight_elements)]
+    weights = settings.max_weight_elements
+    bodies = every_form(int(args.mib * 2**20)) + [largest_weights(weights), largest_weights(weights, sent=False),
+                                                  largest_weights(weights, "additive")]
     table = ["| form | on the wire MiB | status | counted MiB | peak - idle MiB | peak / counted |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(table))

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -229,17 +230,22 @@ def test_jobs_merge_unless_a_size_is_fixed_by_the_graph(reference):
 def test_a_jobs_elements_are_its_runs(reference, registry):
     """Job.elements (what RunCost prices) is the elements of the request's run, inputs and outputs, and
     the batcher's count of a merged run's is that of the merged feed and its outputs; Job.cost (what its
-    memory is priced at) is service.core.cost.answer of its inputs, outputs and attention weights."""
+    memory is priced at) is service.core.cost.answer of its inputs, outputs and attention weights, additive
+    attention's hidden units (the book's 8), and whether the weights are in the answer (less when not)."""
     rng = np.random.default_rng(4)
     for kind in ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding"):
         jobs = [Job(reference.decode(b), 0.0) for b in mixed_bodies(kind, 5, seed=int(rng.integers(100)))]
         model = jobs[0].request.model
+        hidden = 8 if kind == "additive" else 0
         for job in jobs:
             outputs = model.run(job.request.feed)
             inputs = sum(a.size for a in job.request.feed.values())
             assert job.elements == inputs + sum(a.size for a in outputs.values())
             weights = outputs["attention_weights"].size if "attention_weights" in outputs else 0
-            assert job.cost == answer(inputs, sum(a.size for a in outputs.values()), weights)
+            sent = job.request.return_weights
+            assert job.cost == answer(inputs, sum(a.size for a in outputs.values()), weights, hidden, sent)
+            other = Job(dataclasses.replace(job.request, return_weights=not sent), 0.0).cost
+            assert (other < job.cost if sent else other > job.cost) if weights else other == job.cost
         feed = merge(model, jobs)
         widest = tuple(max(s) for s in zip(*(j.shape for j in jobs), strict=True))
         batched, unbatched = _terms(model)
@@ -287,8 +293,9 @@ def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference, 
         jobs = [Job(r, 0.0) for r in requests]
         assert requests[0].memo["job sizes"] is not None
         for job, request in zip(jobs, requests, strict=True):
-            assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.cost, job.shape, job.elements) == \
-                _sizes(request)
+            sizes = _sizes(request)
+            assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.shape, job.elements) == sizes[:5] + sizes[6:]
+            assert job.cost == sizes[5][0 if request.return_weights else 1]
             assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
         other = reference.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
         assert other.memo is not requests[0].memo

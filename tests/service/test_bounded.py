@@ -22,7 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from service.config import Settings
+from service.core.runtime import Registry
 from tests.load.bodies import ATTEND, INFER, Body, compressed, every_form, json_dense, json_long, v2_binary
+from tests.load.membound import counted, largest_weights, status_mib
 from tests.server import AHEAD, running_service
 from tests.service.test_overload import rss_mb, sampling_rss
 
@@ -254,3 +257,28 @@ def test_a_gzip_bomb_on_the_event_loop_is_refused_early(repository):
     assert statuses == [413] * 8
     assert gap < 250, gap
     assert max(peak) - idle < 64, (idle, max(peak))
+
+
+@pytest.mark.parametrize("model", ["additive", "dot_product"])
+def test_a_run_costs_no_more_than_it_is_counted_for(repository, model):
+    """What a request's run holds (its peak resident memory above idle, a fresh process each) is within what
+    the service counts for it, the attention weights returned or not; not returned, they count less (the
+    answer holds no JSON of them). Additive attention's scoring holds num_hiddens numbers a weight, which
+    the count once left out: its largest request peaked at 1.66 times what it was counted for."""
+    settings = Settings()
+    registry = Registry.load(repository, "cpu", 1)
+    counts = {}
+    for sent in (True, False):
+        body = largest_weights(settings.max_weight_elements, model, sent)
+        counted_bytes, status = counted(body, registry, settings)
+        assert status == "ok", status
+        counts[sent] = counted_bytes
+        with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(1 << 40)) as (
+                url, proc):
+            idle = status_mib(proc.pid, "VmRSS")
+            response = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers, timeout=120)
+            peak = status_mib(proc.pid, "VmHWM") - idle
+        assert response.status_code == 200, response.text
+        assert (response.json()["attention_weights"] is None) is not sent
+        assert peak * 2**20 < counted_bytes, (body.name, peak, counted_bytes / 2**20)
+    assert counts[False] < counts[True], counts
