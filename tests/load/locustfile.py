@@ -106,6 +106,12 @@ def _shape(nested) -> list[int]:
 HEADERS = {"content-type": "application/json"}
 
 
+def _said(response) -> str:
+    """The start of what the service answered; for status 0 (no answer: refused, reset, timed out), the
+    client's error."""
+    return (response.text if response.text is not None else repr(response.error))[:200]
+
+
 class AttendUser(FastHttpUser):
     wait_time = between(0.0, 0.05)
 
@@ -114,7 +120,7 @@ class AttendUser(FastHttpUser):
         with self.client.post("/attend", data=body, headers=HEADERS, name=f"/attend {kind}",
                               catch_response=True) as response:
             if response.status_code != 200:
-                response.failure(f"status {response.status_code}: {response.text[:200]}")
+                response.failure(f"status {response.status_code}: {_said(response)}")
                 return
             got = response.json()
             if _shape(got["outputs"]) != out_shape or _shape(got["attention_weights"]) != w_shape:
@@ -146,8 +152,8 @@ class AttendUser(FastHttpUser):
         body, status, field = random.choice(BAD)
         with self.client.post("/attend", data=body, headers=HEADERS, name=f"/attend bad ({status})",
                               catch_response=True) as response:
-            error = response.json().get("error", {}) if response.text.startswith("{") else {}
+            error = response.json().get("error", {}) if (response.text or "").startswith("{") else {}
             if response.status_code == status and error.get("field") == field:
                 response.success()  # the expected 4xx
             else:
-                response.failure(f"expected {status} on {field}, got {response.status_code}: {response.text[:200]}")
+                response.failure(f"expected {status} on {field}, got {response.status_code}: {_said(response)}")
