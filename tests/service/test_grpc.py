@@ -503,21 +503,31 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
         # it (shorter since the graph without the weights).
         ahead = [threading.Event(), threading.Event(), threading.Event()]
         done = threading.Event()
+        answered = _grpc_count(url, 200)  # the warm-up's
+
+        def admitted() -> float:
+            """The calls taken in since: in flight now, or answered already (the first slow call can end
+            before the third's message is all in, on a busy machine)."""
+            return _in_flight(url) + _grpc_count(url, 200) - answered
+
+        def wait_for(calls: int) -> None:
+            waiting = time.monotonic() + 10
+            while admitted() < calls and not ahead[-1].is_set() and time.monotonic() < waiting:
+                # Not every 2 ms: each scrape takes the service's event loop for a while, the loop that is
+                # taking in the messages.
+                time.sleep(0.02)
+            assert not ahead[-1].is_set(), f"the calls ahead ended before call {calls} was admitted"
+
         for event in ahead:
             client.async_infer("dot_product", inputs, lambda result, error, event=event: event.set(),
                                outputs=outputs)
-        time.sleep(alone / 10)
+        wait_for(3)  # the slow calls all in: the small one queues behind the last of them
         small = []
         for name in ("queries", "keys", "values"):
             small.append(grpcclient.InferInput(name, [1, 4, 8], "FP32"))
             small[-1].set_data_from_numpy(np.ones((1, 4, 8), np.float32))
         call = client.async_infer("dot_product", small, lambda result, error: done.set(), outputs=outputs)
-        waiting = time.monotonic() + 10
-        while _in_flight(url) < 4 and not ahead[-1].is_set() and time.monotonic() < waiting:
-            # Until the small call is in and admitted. Not every 2 ms: each scrape takes the service's event
-            # loop for a while, the loop that is taking in the messages.
-            time.sleep(0.02)
-        assert not ahead[-1].is_set(), "the calls ahead ended before the last one was admitted"
+        wait_for(4)
         call.cancel()
         assert done.wait(10) and all(event.wait(30) for event in ahead)
         deadline = time.monotonic() + 10  # the server learns of it from the stream's reset
