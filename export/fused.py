@@ -40,8 +40,12 @@ The graph takes what the traced one takes and answers the same, name for name an
   warns at every run that the real shape is not 0 (`CPU_GRAPH_LOG_SEVERITY`). A Reshape to a shape
   computed from the inputs would name the axis, at the cost of a copy of the weights (ONNX Runtime
   copies where a Reshape's output is the graph's; docs/benchmarks.md, "Compute", has multi_head's time
-  with and without it). dot_product's weights have an axis of its one head to lose, and its Y a 0 for
-  value_size: both leave through such Reshapes. multi_head's Y is sized right (num_hiddens is a number).
+  with and without it). dot_product's weights leave as the node makes them too, with the axis of its one
+  head: (batch, 1, n_q, n_k), which config.json declares (batch, n_q, n_k) and whoever runs the graph views
+  without that axis (`export.repository.one_head_axis`, `without_head_axis`: a Reshape here copied them,
+  3-8% of the graph's time from n = 512). dot_product's Y, with a 0 for value_size, leaves through a
+  Reshape to its shape from the inputs (n_q x value_size numbers: no time to speak of); multi_head's Y is
+  sized right (num_hiddens is a number).
 """
 
 from __future__ import annotations
@@ -132,8 +136,9 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
         v = g.linear(values, module.W_v, "W_v")
     # 3-D Q, K, V: the node splits the last axis into heads and joins them again in Y, as
     # MultiHeadAttention's _split_heads and its transpose-reshape do. Its weights are (batch, heads,
-    # n_q, n_k): multi_head's output as it is; dot_product's without the axis of its one head.
-    y, scores = "attended", "weights" if kind == "dot_product" else "attention_weights"
+    # n_q, n_k), the graph's output as they are: dot_product's with the axis of its one head, which
+    # config.json does not declare (export.repository.one_head_axis).
+    y, scores = "attended", "attention_weights"
     attention = {"q_num_heads": heads, "kv_num_heads": heads, "qk_matmul_output_mode": 3}
     y_shape = ["batch", "n_q", "value_size" if kind == "dot_product" else int(hp["num_hiddens"])]
     w_shape = ["batch", heads, "n_q", "n_k"]
@@ -169,21 +174,19 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
          then_branch=by_length.subgraph("by_length", by_length_out),
          else_branch=by_mask.subgraph("by_mask", by_mask_out))
 
-    if kind == "dot_product":  # Reshapes to shapes from the inputs
+    if kind == "dot_product":  # Y reshaped to its shape from the inputs; the weights as the node makes them
         batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
         value_size = g.op("Shape", [values], "value_size", start=2, end=3)
         out_shape = g.op("Concat", [batch_n_q, value_size], "out_shape", axis=0)
         g.op("Reshape", [y, out_shape], "outputs")
-        if weights:
-            weights_shape = g.op("Concat", [batch_n_q, n_k_1], "weights_shape", axis=0)
-            g.op("Reshape", [scores, weights_shape], "attention_weights")
     else:  # Y's last axis is num_hiddens, a number: shape inference sizes it right
         g.linear(y, module.W_o, "W_o", output="outputs")
 
     graph = helper.make_graph(
         g.nodes, f"{kind}_fused",
         [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], list(s.shape)) for s in inputs],
-        [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], list(s.shape)) for s in outputs],
+        [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], w_shape if (kind, s.name) == ("dot_product", scores)
+                                       else list(s.shape)) for s in outputs],
         g.initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],

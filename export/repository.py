@@ -182,6 +182,20 @@ def shape_agrees(reported: list[int | str], declared: tuple[int | str, ...] | li
         r == d or (r == 0 and isinstance(d, str)) for r, d in zip(reported, declared, strict=True))
 
 
+def one_head_axis(reported: list[int | str], declared: tuple[int | str, ...] | list[int | str]) -> bool:
+    """Whether a graph's output shape `reported` is the one config.json declares with an axis of size 1
+    after the first: the weights of a one-head `Attention` node, (batch, 1, n_q, n_k), which dot_product's
+    CPU graph leaves as the node makes them (export.fused: a Reshape at a graph's output copies them).
+    Whoever runs that graph views them without the axis (`without_head_axis`)."""
+    return len(reported) == len(declared) + 1 and reported[1] == 1 and \
+        shape_agrees([reported[0], *reported[2:]], declared)
+
+
+def without_head_axis(array: np.ndarray) -> np.ndarray:
+    """`array` without its second axis, of size 1 (`one_head_axis`): a view, nothing copied."""
+    return array.reshape(array.shape[:1] + array.shape[2:])
+
+
 def valid_lens_2d(valid_lens: Any, batch: int, n_q: int, n_k: int) -> np.ndarray:
     """The graph's `(batch, n_q)` int64 valid lengths from None, `(batch,)` or `(batch, n_q)`.
 

@@ -38,9 +38,11 @@ from export.repository import (
     example_feed,
     list_models,
     list_versions,
+    one_head_axis,
     read_config,
     sha256_of,
     shape_agrees,
+    without_head_axis,
 )
 from export.repository import model_dir as folder_of
 from service.core.statistics import ModelStatistics
@@ -135,6 +137,14 @@ class LoadedModel:
     def _output_names_without_weights(self) -> list[str]:
         return [name for name in self._output_names if name != "attention_weights"]
 
+    @functools.cached_property
+    def _head_axis(self) -> str | None:
+        """The output the session gives with an axis of its one head that config.json does not declare
+        (dot_product's weights from its CPU graph: export.repository.one_head_axis), or None."""
+        declared = {s.name: s.shape for s in self.outputs}
+        return next((o.name for o in self.session.get_outputs() if o.name in declared
+                     and one_head_axis(list(o.shape), declared[o.name])), None)
+
     def run(self, feed: dict[str, np.ndarray], weights: bool = True) -> dict[str, np.ndarray]:
         """Every output of the graph by name (`outputs`, `attention_weights`, and `P` for the
         positional encoding); with `weights` False, where the model has a graph without
@@ -146,7 +156,10 @@ class LoadedModel:
         if not weights and self.session_without_weights is not None:
             names = self._output_names_without_weights
             return dict(zip(names, self.session_without_weights.run(names, feed, _RUN_OPTIONS), strict=True))
-        return dict(zip(self._output_names, self.session.run(self._output_names, feed, _RUN_OPTIONS), strict=True))
+        outputs = dict(zip(self._output_names, self.session.run(self._output_names, feed, _RUN_OPTIONS), strict=True))
+        if self._head_axis is not None:  # as config.json declares it: a view
+            outputs[self._head_axis] = without_head_axis(outputs[self._head_axis])
+        return outputs
 
     def describe(self) -> dict[str, Any]:
         hp = self.config.hyperparameters
@@ -259,11 +272,13 @@ def _check_signature(model: LoadedModel, session: ort.InferenceSession | None = 
     want_out = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.output_specs()
                 if weights or s.name != "attention_weights"]
 
-    def agree(got: list[tuple[str, str, list]], want: list[tuple[str, str, list]]) -> bool:
-        return len(got) == len(want) and all(g[:2] == w[:2] and shape_agrees(g[2], w[2])
-                                             for g, w in zip(got, want, strict=False))
+    def agree(got: list[tuple[str, str, list]], want: list[tuple[str, str, list]], outputs: bool = False) -> bool:
+        # An output may have the axis of a one-head Attention node's weights besides (`LoadedModel.run` views it away).
+        return len(got) == len(want) and all(
+            g[:2] == w[:2] and (shape_agrees(g[2], w[2]) or outputs and one_head_axis(g[2], w[2]))
+            for g, w in zip(got, want, strict=False))
 
-    if not (agree(got_in, want_in) and agree(got_out, want_out)):
+    if not (agree(got_in, want_in) and agree(got_out, want_out, outputs=True)):
         raise StartupError(
             f"model {model.name}: the graph's inputs/outputs {got_in + got_out} do not match config.json "
             f"{want_in + want_out}"

@@ -19,11 +19,13 @@ from export.repository import (
     CPU_GRAPH_LOG_SEVERITY,
     KINDS,
     default_hyperparameters,
+    one_head_axis,
     read_config,
     sha256_of,
     shape_agrees,
     signature,
     valid_lens_2d,
+    without_head_axis,
 )
 from export.validate import _valid_lens, run_case, sweep
 from tests import book
@@ -69,21 +71,24 @@ def test_config_names_the_cpu_graph_with_its_sha256(repository, kind):
         attention = next(node for node in nodes if node.op_type == "Attention")
         assert attention.input[3] == mask and (attention.input[6:] or [None])[0] == lengths, branch
         assert {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}["qk_matmul_output_mode"] == 3
-    # multi_head's weights leave as the node makes them (through the If), dot_product's through a Reshape
-    # (its head axis).
+    # The weights leave as the node makes them (through the If, no copy): dot_product's with the axis of its
+    # one head.
     makers = {output: node.op_type for node in model.graph.node for output in node.output}
-    assert makers["attention_weights"] == ("Reshape" if kind == "dot_product" else "If")
+    assert makers["attention_weights"] == "If"
     # The session's signature is config.json's, axis names included, where ONNX Runtime does not report the
-    # 0 that onnx's shape inference of `Attention` makes of n_k (the service checks it at load).
+    # 0 that onnx's shape inference of `Attention` makes of n_k (the service checks it at load), and
+    # dot_product's weights have that head's axis besides (the service views it away).
     session = _session(path)
     assert [(i.name, i.shape) for i in session.get_inputs()] == [(s["name"], s["shape"]) for s in config.inputs]
     assert [o.name for o in session.get_outputs()] == [s["name"] for s in config.outputs]
     for o, s in zip(session.get_outputs(), config.outputs, strict=True):
-        assert shape_agrees(o.shape, s["shape"]), (o.name, o.shape, s["shape"])
+        head_axis = kind == "dot_product" and o.name == "attention_weights"
+        assert (one_head_axis if head_axis else shape_agrees)(o.shape, s["shape"]), (o.name, o.shape, s["shape"])
+        assert not (shape_agrees if head_axis else one_head_axis)(o.shape, s["shape"]), (o.name, o.shape)
     # The 0s: the last axis of the weights the node makes, and no other. (Once onnx sizes it right, none:
     # then the service's reading of 0 and the quiet log severity can go.)
     zeros = {o.name: [i for i, a in enumerate(o.shape) if a == 0] for o in session.get_outputs()}
-    assert zeros == {"outputs": [], "attention_weights": [] if kind == "dot_product" else [3]}
+    assert zeros == {"outputs": [], "attention_weights": [3]}
 
 
 def test_a_reported_shape_agrees_with_a_declared_one():
@@ -93,6 +98,19 @@ def test_a_reported_shape_agrees_with_a_declared_one():
     assert not shape_agrees(["batch", 4, "n_q", "n_k"], ["batch", 5, "n_q", "n_k"])
     assert not shape_agrees(["batch", "n_q", "n_k"], ["batch", "n_q", "n_k", "x"])
     assert not shape_agrees(["batch", "n_q", "n"], ["batch", "n_q", "n_k"])
+
+
+def test_a_one_head_axis_is_a_size_1_axis_after_the_first():
+    assert one_head_axis(["batch", 1, "n_q", 0], ("batch", "n_q", "n_k"))  # dot_product's CPU graph's weights
+    assert one_head_axis(["batch", 1, "n_q", "n_k"], ["batch", "n_q", "n_k"])
+    assert not one_head_axis(["batch", 5, "n_q", "n_k"], ["batch", "n_q", "n_k"])  # five heads are not one
+    assert not one_head_axis(["batch", "n_q", 1, "n_k"], ["batch", "n_q", "n_k"])  # not after the first
+    assert not one_head_axis(["batch", 1, "n_q", "n_k"], ["batch", 1, "n_q", "n_k"])  # declared: no axis more
+    assert not one_head_axis(["batch", 1, "n_q", "n"], ["batch", "n_q", "n_k"])
+    weights = np.arange(24, dtype=np.float32).reshape(2, 1, 3, 4)
+    viewed = without_head_axis(weights)
+    assert viewed.shape == (2, 3, 4) and np.shares_memory(viewed, weights) and viewed.flags.c_contiguous
+    assert np.array_equal(viewed, weights[:, 0])
 
 
 @pytest.mark.parametrize("kind", FUSED_KINDS)
@@ -126,6 +144,8 @@ def test_dot_product_cpu_graph_is_the_oracle_and_the_book(repository, form):
     lens = _lens(form, batch, n_q, n_k, rng)
     session = _session(repository / "dot_product" / "1" / "model.cpu.onnx")
     out, weights = session.run(None, {"queries": Q, "keys": K, "values": V, "valid_lens": _graph_lens(lens, n_q)})
+    assert weights.shape == (batch, 1, n_q, n_k)  # with the axis of its one head
+    weights = without_head_axis(weights)
     want_out, want_w = oracle.dot_product(Q.astype(np.float64), K.astype(np.float64), V.astype(np.float64), lens)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(weights, want_w, rtol=1e-5, atol=1e-5)
