@@ -43,9 +43,9 @@ The graph takes what the traced one takes and answers the same, name for name an
   with and without it). dot_product's weights leave as the node makes them too, with the axis of its one
   head: (batch, 1, n_q, n_k), which config.json declares (batch, n_q, n_k) and whoever runs the graph views
   without that axis (`export.repository.one_head_axis`, `without_head_axis`: a Reshape here copied them,
-  3-8% of the graph's time from n = 512). dot_product's Y, with a 0 for value_size, leaves through a
-  Reshape to its shape from the inputs (n_q x value_size numbers: no time to speak of); multi_head's Y is
-  sized right (num_hiddens is a number).
+  2-10% of the graph's time, the most at the largest n: `python bench/weights_copy.py`). dot_product's Y,
+  with a 0 for value_size, leaves through a Reshape to its shape from the inputs (n_q x value_size
+  numbers: no time to speak of); multi_head's Y is sized right (num_hiddens is a number).
 """
 
 from __future__ import annotations
