@@ -303,6 +303,24 @@ def test_the_mask_bench_builds_the_same_mask_in_both_integer_types():
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
 
 
+def test_the_weights_copy_bench_times_each_output_of_the_same_numbers(repository):
+    """bench/weights_copy.py: dot_product's CPU graph as exported and with its weights through a Reshape, a
+    Squeeze or a Reshape inside the If; it stops where any gives other numbers than the graph's own, the
+    head's axis aside. A row a size and form of lengths, each figure a time and its ratio."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "weights_copy.py"), "--repository", str(repository),
+                          "--sizes", "2x7", "1x33", "--seconds", "0.2"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line[:3].strip("| ").isdigit()]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        (shape, form) for shape in ("2 x 7 x 7 x 64", "1 x 33 x 33 x 64") for form in ("per example", "per query")]
+    for row in rows:
+        cells = [cell.strip().rstrip("x)").split(" (") for cell in row[2:]]
+        assert len(cells) == 4 and all(float(ms) > 0 and float(ratio) > 0 for ms, ratio in cells), out
+        assert cells[0][1] == "1.00", out  # the graph as exported, against itself
+
+
 def test_the_gc_bench_times_the_collections_of_the_real_service(repository):
     """bench/gc_cost.py: a row a point, from the file its hook in the service writes (read for every point:
     no file, no table). This checkout's requests leave no reference cycle, so its collections free under
