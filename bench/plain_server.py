@@ -22,9 +22,9 @@ from fastapi import FastAPI, Request, Response
 
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
-# Errors only, as the service runs the CPU variant: ONNX Runtime would otherwise warn at every run of
-# multi_head's and self_attention's that the weights' shape is not the 0 onnx's shape inference gave their
-# n_k (export.repository.CPU_GRAPH_LOG_SEVERITY), a line on stderr a request.
+# Errors only, as the service runs the CPU variant: ONNX Runtime would otherwise warn at every run of one
+# that the weights' shape is not the 0 onnx's shape inference gave their n_k
+# (export.repository.CPU_GRAPH_LOG_SEVERITY), a line on stderr a request.
 options.log_severity_level = 3
 cuda = os.environ.get("PLAIN_DEVICE", "cpu") == "cuda"
 if cuda:

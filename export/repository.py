@@ -168,7 +168,7 @@ def signature(kind: str, hp: dict[str, Any]) -> tuple[list[TensorSpec], list[Ten
 
 # ONNX Runtime's log severity for a session of a model.cpu.onnx: errors only. onnx's shape inference (1.23)
 # of `Attention` sizes the weights' last axis 0 where n_k is symbolic; where those weights leave the graph as
-# the node made them (multi_head, self_attention; export.fused), ONNX Runtime takes the 0 for the output's
+# the node made them (every CPU graph since 2026-11-26; export.fused), ONNX Runtime takes the 0 for the output's
 # shape and warns at every run that the real one differs (VerifyOutputSizes): a line a run, about nothing.
 CPU_GRAPH_LOG_SEVERITY = 3
 
