@@ -160,7 +160,7 @@ def test_the_service_answers_each_pool_under_the_load_generator(tmp_path, reposi
 
 def test_the_plain_server_answers_every_pool_without_onnx_runtimes_warnings(tmp_path, repository):
     """The baseline pays for nothing the service does not: ONNX Runtime's warning at every run of the CPU
-    graphs whose weights' n_k it takes for 0 (multi_head, self_attention) would be a write a request."""
+    graphs whose weights' n_k it takes for 0 (all three) would be a write a request."""
     import httpx
 
     log = tmp_path / "plain.log"
