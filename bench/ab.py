@@ -37,13 +37,18 @@ from run import PIN, cpu_seconds, service_env  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
 
-def serve(repository: Path, spec: str, **env: str):
-    """SERVER (a checkout, optionally `+NAME=VALUE,...` settings) as this script serves it: `python -m service`
-    run in that checkout, pinned to the server core, at the measured settings. A context manager of
-    (url, process)."""
+def checkout(spec: str) -> tuple[list[str], dict[str, str]]:
+    """SERVER (a checkout, optionally `+NAME=VALUE,...` settings): the command that runs `python -m service`
+    in that checkout, and the settings."""
     tree, _, settings = spec.partition("+")
     extra = dict(s.split("=", 1) for s in settings.split(",") if s)
-    command = ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"]
+    return ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"], extra
+
+
+def serve(repository: Path, spec: str, **env: str):
+    """SERVER as this script serves it: its checkout's service (`checkout`), pinned to the server core, at
+    the measured settings. A context manager of (url, process)."""
+    command, extra = checkout(spec)
     return running_service(repository, prefix=PIN, command=command, **env, **service_env(True, extra))
 
 

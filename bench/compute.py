@@ -99,13 +99,14 @@ def torch_call(module: torch.nn.Module, feed: dict[str, np.ndarray]) -> Callable
     return call
 
 
-def ort_call(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> Callable[[], list]:
-    """A run of a graph that returns the weights; dot_product's CPU graph gives them with the axis of its
-    one head, viewed away as the service does (export.repository.without_head_axis)."""
+def ort_call(session: ort.InferenceSession, feed: dict[str, np.ndarray], head_axis: bool = False
+             ) -> Callable[[], list]:
+    """A run of a graph that returns the weights; with `head_axis` (dot_product's CPU graph: the served
+    model's `LoadedModel.head_axis`) they come with the axis of its one head, viewed away as the service
+    does."""
     def call() -> list:
         out, weights = session.run(["outputs", "attention_weights"], feed)
-        return [out, without_head_axis(weights) if weights.ndim == out.ndim + 1 and weights.shape[1] == 1
-                else weights]
+        return [out, without_head_axis(weights) if head_axis else weights]
     return call
 
 
@@ -202,11 +203,13 @@ def diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
 
 
-def fully_masked(kind: str, hp: dict, module: torch.nn.Module, sessions: dict[str, ort.InferenceSession]) -> str:
+def fully_masked(kind: str, hp: dict, module: torch.nn.Module,
+                 sessions: dict[str, tuple[ort.InferenceSession, bool]]) -> str:
     """What each gives a query of valid length 0 (the timings have none): batch 2 x n 8, one row at 0."""
     lens = np.array([[3, 0, 8, 1, 5, 0, 2, 7], [0] * 8], dtype=np.int64)
     feed = inputs(kind, 2, 8, hp, np.random.default_rng(1), lens)
-    runs = {"PyTorch": torch_call(module, feed)(), **{label: ort_call(s, feed)() for label, s in sessions.items()}}
+    runs = {"PyTorch": torch_call(module, feed)()}
+    runs |= {label: ort_call(session, feed, head_axis)() for label, (session, head_axis) in sessions.items()}
     zero = lens == 0
     parts = []
     for label, (out, weights) in runs.items():
@@ -271,6 +274,8 @@ def main() -> int:
             module = build_module(kind, hp)
             decomposed = ort.InferenceSession(str(folder / served.config.model_file), session_options(),
                                               providers=["CPUExecutionProvider"])
+            # Each graph, and whether its weights come with the axis of its one head (as the service views them).
+            sessions = {"served": (served.session, served.head_axis is not None), "decomposed": (decomposed, False)}
             if served.model_file == served.config.model_file:
                 notes.append(f"{kind}: the repository has no CPU graph; the service serves model.onnx "
                              "(export again for model.cpu.onnx)")
@@ -282,8 +287,8 @@ def main() -> int:
                 least = sum(parts.values())
                 # Both forms of lengths in one timing, call by call: their ratio is of the same seconds.
                 feeds = {per: inputs(kind, batch, n, hp, rng, per=per) for per in args.lengths}
-                graphs = {f"{label} {per}": ort_call(session, feed) for per, feed in feeds.items()
-                          for label, session in (("served", served.session), ("decomposed", decomposed))}
+                graphs = {f"{label} {per}": ort_call(session, feed, head_axis) for per, feed in feeds.items()
+                          for label, (session, head_axis) in sessions.items()}
                 if served.session_without_weights is not None:  # what a batch that returns no weights runs
                     graphs |= {f"outputs {per}": outputs_call(served.session_without_weights, feed)
                                for per, feed in feeds.items()}
@@ -302,7 +307,7 @@ def main() -> int:
                         f"| {diff(s_out, ref_out):.1e} / {diff(s_w, ref_w):.1e} "
                         f"| {' + '.join(f'{v:.4g}' for v in parts.values())} |")
                     print(rows[-1], flush=True)
-            notes.append(fully_masked(kind, hp, module, {"served": served.session, "decomposed": decomposed}))
+            notes.append(fully_masked(kind, hp, module, sessions))
             notes.append(f"{kind}: served {served.model_file} (opset {served.opset}), decomposed "
                          f"{served.config.model_file} (opset {served.config.opset}); floor parts: "
                          + " + ".join(parts))

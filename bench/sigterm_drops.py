@@ -28,6 +28,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from ab import checkout  # noqa: E402
 
 from service.http.schemas import toy_request  # noqa: E402
 from tests.server import running_service  # noqa: E402
@@ -80,9 +83,7 @@ def heavy_client(port: int, until: float, body: bytes) -> None:
 
 
 def round_of(spec: str, repository: Path, workers: int, body: bytes, clients: int) -> tuple[int, int, int, list[float]]:
-    tree, _, settings = spec.partition("+")
-    extra = dict(s.split("=", 1) for s in settings.split(",") if s)
-    command = ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"]
+    command, extra = checkout(spec)
     env = {"ATTEND_WORKERS": str(workers), "ATTEND_INTRA_OP_THREADS": "1", "ATTEND_GRACE_PERIOD_S": "60",
            "ATTEND_MAX_INFLIGHT_BYTES": str(4 << 30)} | extra
     with running_service(repository, command=command, **env) as (url, proc):

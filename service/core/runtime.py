@@ -138,7 +138,7 @@ class LoadedModel:
         return [name for name in self._output_names if name != "attention_weights"]
 
     @functools.cached_property
-    def _head_axis(self) -> str | None:
+    def head_axis(self) -> str | None:
         """The output the session gives with an axis of its one head that config.json does not declare
         (dot_product's weights from its CPU graph: export.repository.one_head_axis), or None."""
         declared = {s.name: s.shape for s in self.outputs}
@@ -157,8 +157,8 @@ class LoadedModel:
             names = self._output_names_without_weights
             return dict(zip(names, self.session_without_weights.run(names, feed, _RUN_OPTIONS), strict=True))
         outputs = dict(zip(self._output_names, self.session.run(self._output_names, feed, _RUN_OPTIONS), strict=True))
-        if self._head_axis is not None:  # as config.json declares it: a view
-            outputs[self._head_axis] = without_head_axis(outputs[self._head_axis])
+        if self.head_axis is not None:  # as config.json declares it: a view
+            outputs[self.head_axis] = without_head_axis(outputs[self.head_axis])
         return outputs
 
     def describe(self) -> dict[str, Any]:
