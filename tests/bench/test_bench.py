@@ -303,6 +303,42 @@ def test_the_mask_bench_builds_the_same_mask_in_both_integer_types():
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
 
 
+def test_the_breakdown_times_both_servers_stage_by_stage_on_the_pools(repository):
+    """bench/breakdown.py: a row a pool, each stage a figure for the service and one for the plain server
+    (its route called as a function), the totals their sums and the ratio theirs."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "breakdown.py"), "--repository", str(repository),
+                          "--workloads", "W1,W4", "--passes", "1", "--bodies", "16"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| W")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("W1", "16"), ("W4", "16")], out
+    for row in rows:
+        pairs = [[float(x) for x in cell.split(" / ")] for cell in row[2:7]]
+        assert all(service > 0 and plain > 0 for service, plain in pairs), out
+        *stages, (service, plain) = pairs
+        assert service == pytest.approx(sum(s for s, _ in stages), abs=0.3), out
+        assert plain == pytest.approx(sum(p for _, p in stages), abs=0.3), out
+        assert float(row[7]) == pytest.approx(service / plain, abs=0.01), out
+
+
+def test_the_breakdown_compares_the_two_servers_answers(repository, monkeypatch):
+    """bench/breakdown.py stops unless both servers answer a body with the same numbers: they do on every
+    form of every pool it times, and a number changed in one answer is told apart."""
+    import breakdown
+
+    monkeypatch.setenv("PLAIN_REPOSITORY", str(repository))  # Plain sets it for plain_server's import: put back after
+    service, plain = breakdown.Service(repository), breakdown.Plain(repository)
+    for workload in ("W1", "W3", "W4", "W5", "W6", "W7"):
+        for body in pools.WORKLOADS[workload].bodies(count=6):
+            raw = pools.attend_json(body)[1]
+            assert breakdown.same_answers(service.answer(raw), plain.answer(raw)), (workload, body)
+    raw = pools.attend_json(pools.WORKLOADS["W1"].bodies(count=1)[0])[1]
+    answer = json.loads(service.answer(raw))
+    answer["outputs"][0][0][0] += 1e-3
+    assert not breakdown.same_answers(json.dumps(answer).encode(), plain.answer(raw))
+
+
 def test_the_weights_copy_bench_times_each_output_of_the_same_numbers(repository):
     """bench/weights_copy.py: dot_product's CPU graph as exported and with its weights through a Reshape, a
     Squeeze or a Reshape inside the If; it stops where any gives other numbers than the graph's own, the
