@@ -16,10 +16,15 @@ its CPU time: divided by the requests answered, its microseconds a request. The 
 - event loop: uvloop's own C code, the system calls it makes (reads, epoll) and its timers.
 
 The sum is the event-loop thread's CPU a request; `CPU us / req` beside it is the whole process's (other
-threads: the access log's writer, inference threads). py-spy samples without stopping the process
-(`--nonblocking`), at `--rate` a second. Needs py-spy (the dev extra) and wrk.
+threads: the access log's writer, inference threads). Under each table, a ceiling: how many times the plain
+server's throughput the service's could be on its one core were its session runs and its batching free
+(the plain server's thread CPU a request over the service's less those two stages): a bar above it needs
+the stages both servers pay, or the service's checks, HTTP layer and metrics, to cost less. py-spy
+stops the process for each sample (its default, for whole stacks), at `--rate` a second, which slows both
+servers somewhat: read the split, not the totals, against `make bench`. Needs py-spy (the dev extra) and
+wrk.
 
-    python bench/where.py [--rows W1,W3] [--concurrency 1,16] [--seconds 6]
+    python bench/where.py [--rows W1,W3] [--concurrency 1,16] [--seconds 6] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from loadgen import measure  # noqa: E402
 from pools import make_pools  # noqa: E402
 from run import cpu_seconds, server  # noqa: E402
+
+from tests.load.report import write_section  # noqa: E402
 
 STAGES = ("session run", "JSON parse", "arrays and checks", "JSON encode", "batching", "socket write",
           "metrics and logs", "HTTP, ASGI, framework", "event loop", "other")
@@ -131,6 +138,17 @@ def profile(kind: str, repository: Path, index: Path, concurrency: int, seconds:
             return main_thread_samples(out.read_text()), point.requests, cpu, loop_cpu, point.rps
 
 
+def ceiling(plain: tuple, service: tuple) -> float:
+    """How many times the plain server's throughput the service's could be on one core, were its session
+    runs and its batching free: the event loop threads' CPU a request, the plain server's over the
+    service's less those stages' shares (`profile`'s results of each)."""
+    def per_request(result: tuple, free: tuple[str, ...] = ()) -> float:
+        samples, requests, _, thread, _ = result
+        share = 1 - sum(samples[stage] for stage in free) / max(1, sum(samples.values()))
+        return thread / requests * share
+    return per_request(plain) / per_request(service, ("session run", "batching"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
@@ -139,27 +157,40 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="a point's load, whole seconds")
     parser.add_argument("--rate", type=int, default=250, help="py-spy's samples a second")
     parser.add_argument("--py-spy", default=str(Path(sys.executable).parent / "py-spy"))
+    parser.add_argument("--out", type=Path, help="a markdown file with a <!-- where --> section")
     args = parser.parse_args()
     rows = args.rows.split(",")
+    lines: list[str] = []
+
+    def say(*text: str) -> None:
+        lines.extend(text)
+        print("\n".join(text), flush=True)
+
     with tempfile.TemporaryDirectory() as folder:
         pools = make_pools(Path(folder), rows)
-        print(f"py-spy at {args.rate} a second, {args.seconds:g} s a point; a stage's us a request: its share of "
-              "the event loop thread's samples times the thread's CPU (/proc) a request\n")
+        say(f"py-spy at {args.rate} a second, {args.seconds:g} s a point; a stage's us a request: its share of the "
+            "event loop thread's samples times the thread's CPU (/proc) a request", "")
         for row in rows:
             for concurrency in map(int, args.concurrency.split(",")):
                 results = {kind: profile(kind, args.repository, pools[row]["index"], concurrency, args.seconds,
                                          args.rate, args.py_spy) for kind in ("plain", "on")}
-                print(f"{row}, c={concurrency}\n")
-                print("| stage | plain us / req | service us / req |\n| --- | ---: | ---: |")
+                table = [f"**{row}, c={concurrency}**", "", "| stage | plain us / req | service us / req |",
+                         "| --- | ---: | ---: |"]
                 for stage in STAGES:  # the thread's CPU a request, in the shares of its samples
                     cells = [f"{1e6 * r[3] / r[1] * r[0][stage] / max(1, sum(r[0].values())):.1f}"
                              for r in results.values()]
-                    print(f"| {stage} | {' | '.join(cells)} |")
+                    table.append(f"| {stage} | {' | '.join(cells)} |")
                 for name, column in (("event loop's thread, in all", 3), ("the process, in all", 2)):
                     cells = [f"{1e6 * r[column] / r[1]:.1f}" for r in results.values()]
-                    print(f"| {name} | {' | '.join(cells)} |")
-                print(f"| samples of the thread | {' | '.join(str(sum(r[0].values())) for r in results.values())} |")
-                print(f"| req/s | {' | '.join(f'{r[4]:.0f}' for r in results.values())} |\n", flush=True)
+                    table.append(f"| {name} | {' | '.join(cells)} |")
+                samples = [str(sum(r[0].values())) for r in results.values()]
+                table.append(f"| samples of the thread | {' | '.join(samples)} |")
+                table.append(f"| req/s | {' | '.join(f'{r[4]:.0f}' for r in results.values())} |")
+                say(*table, "", f"At most {ceiling(results['plain'], results['on']):.2f}x the plain server, were the "
+                    "service's session runs and batching free (the plain server's thread CPU a request over the "
+                    "service's less those stages).", "")
+    if args.out:
+        write_section(args.out, "where", lines)
     return 0
 
 

@@ -447,3 +447,7 @@ def test_where_splits_each_servers_cpu_a_request_into_its_stages(repository):
         for stage in ("session run", "JSON parse", "arrays and checks", "socket write", "HTTP, ASGI, framework"):
             assert table[stage][i] > 0, (stage, out)
     assert table["batching"][0] == 0 < table["batching"][1], out  # the plain server has none
+    # The ceiling: the plain server's thread a request over the service's less its session runs and batching.
+    free = thread[1] - table["session run"][1] - table["batching"][1]
+    line = next(line for line in out.splitlines() if line.startswith("At most "))
+    assert float(line.split()[2].rstrip("x")) == pytest.approx(thread[0] / free, abs=0.02), out
