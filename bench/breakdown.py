@@ -38,7 +38,7 @@ from pools import SEED, WORKLOADS, attend_json  # noqa: E402
 from run import SERVER_CPU  # noqa: E402
 
 from service.core.runtime import Registry  # noqa: E402
-from service.protocols.attend import decode_body, encode_attend, parse  # noqa: E402
+from service.protocols.attend import attend, decode_body, encode_attend, parse  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
 
 STAGES = ("JSON parse", "arrays and checks", "session run", "JSON encode")
@@ -111,15 +111,13 @@ class Plain:
 
 
 class Service:
-    """The service's codec and run on one body (service.protocols.attend.attend's path, its stages apart)."""
+    """The service's codec and run on one body: service.protocols.attend.attend, and its stages timed apart."""
 
     def __init__(self, repository: Path):
         self.registry = Registry.load(repository, "cpu", 1)
 
     def answer(self, raw: bytes) -> bytes:
-        request = decode_body(raw, self.registry)
-        outputs = request.model.run(request.feed, request.return_weights)
-        return encode_attend(request.model, outputs, request.return_weights)
+        return attend(raw, self.registry)
 
     def timed(self, raw: bytes, spent: dict[str, float]) -> None:
         t0 = time.perf_counter()
