@@ -8,7 +8,7 @@
                           status, 499 for a client that went away)
     deadline()            when a request must be answered (ATTEND_REQUEST_TIMEOUT_S, or the client's
                           shorter X-Request-Timeout-Ms); `within(until)` bounds the body's read and decode
-    decode_async()        a codec's decode, on the event loop for small bodies, on a decode thread otherwise
+    serve()               one inference request's whole life (service.core.exchange), for every transport
     infer()               the batching queue, the session run, the codec's encoder
     answered(), failed()  a request's answer or error counted: metrics by model, status and protocol,
                           and the statistics of its model version (Triton's extension: `statistics()`)
@@ -17,8 +17,9 @@
     transports            further front doors beside the server that runs the app (gRPC's), started
                           by open(), told to stop taking requests by stop_accepting(), drained by close()
 
-A transport (service.http.endpoint, service.grpc.server) turns its bytes into calls of these and
-nothing more, so that a second transport cannot forget a check. Knows no web framework.
+A transport (service.http.endpoint, service.grpc.server) hands each inference request to `serve` as an
+`Exchange` and writes what comes back, so that a second transport cannot forget a check. Knows no web
+framework.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from service.core.errors import (
     ServiceError,
     Unauthorized,
 )
+from service.core.exchange import Exchange, serve
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
@@ -423,13 +425,9 @@ class Dataplane:
             if not future.done():
                 future.cancel()  # still queued: never started; under way: its result is dropped
 
-    async def decode_async(self, deadline: float, decode: Callable[..., T], *args: Any) -> T:
-        """`decode(*args)` (a codec's; the body among its arguments), on the event loop for bodies of up
-        to ATTEND_INLINE_DECODE_BYTES (a thread hop costs more than their parse), in a decode thread for
-        larger ones."""
-        if len(args[-2]) <= self.inline_decode_bytes:  # (..., body, cost)
-            return decode(*args)
-        return await self.in_thread(deadline, decode, *args)
+    async def serve(self, exchange: Exchange) -> int:
+        """One inference request, from admission to its answer (service.core.exchange.serve): its status."""
+        return await serve(self, exchange)
 
     async def infer(self, request: Request, deadline: float, encode: Encoder, is_disconnected: Any = None,
                     cost: Cost | None = None) -> Any:

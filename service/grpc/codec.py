@@ -23,9 +23,11 @@ from google.protobuf import json_format
 from service.core.batching import Encoder
 from service.core.cost import Cost, binary_decode
 from service.core.errors import ServiceError
+from service.core.exchange import Answer
 from service.core.request import Request, RequestLimits, find_model
 from service.core.runtime import LoadedModel
 from service.grpc.proto import grpc_service_pb2 as pb
+from service.grpc.status import details_of
 from service.protocols.v2 import (
     BadRequest,
     binary_tensor,
@@ -36,6 +38,7 @@ from service.protocols.v2 import (
     tensors_request,
 )
 
+GRPC = b"application/grpc"
 # The typed contents field of each datatype a model's input accepts (FP16 has none: raw bytes only).
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents", "INT32": "int_contents"}
 
@@ -45,16 +48,33 @@ def message_from(data: dict[str, Any], message: Any) -> Any:
     return json_format.ParseDict(data, message, ignore_unknown_fields=True)
 
 
-def decode(core: Any, message: pb.ModelInferRequest, cost: Cost) -> tuple[Request, Encoder]:
-    """The request of `message` (deserialized already; its size held in `cost`) and its answer's
-    encoder. Raises ServiceError subclasses, with `.model` set once the model is known."""
-    model = find_model(core.registry, message.model_name, message.model_version or None, "model_name",
-                       "model_version")
-    try:
-        return decode_for(model, message, core.limits, cost)
-    except ServiceError as e:
-        e.model = model.name
-        raise
+class GrpcCodec:
+    """ModelInfer's codec (service.core.exchange.Codec): the body is the message, deserialized already by
+    grpc; errors are a status code and its details (service.grpc.status)."""
+
+    def check_media_type(self, headers: Any) -> None:
+        return None  # grpc checked it
+
+    def expected(self, headers: Any, length: int) -> int:
+        return 0  # the message is decoded already: what is left is held as the tensors are made
+
+    def aligned_at(self, headers: Any) -> None:
+        return None
+
+    def decode(self, core: Any, target: Any, headers: Any, message: pb.ModelInferRequest, cost: Cost
+               ) -> tuple[Request, Encoder]:
+        """The request of `message` and its answer's encoder. Raises ServiceError subclasses, with `.model`
+        set once the model is known."""
+        model = find_model(core.registry, message.model_name, message.model_version or None, "model_name",
+                           "model_version")
+        try:
+            return decode_for(model, message, core.limits, cost)
+        except ServiceError as e:
+            e.model = model.name
+            raise
+
+    def error_body(self, error: ServiceError) -> bytes:
+        return details_of(error).encode()
 
 
 def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None
@@ -97,14 +117,13 @@ def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dt
 
 
 def _encoder(names: list[str], request_id: str) -> Encoder:
-    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool
-               ) -> tuple[pb.ModelInferResponse, LoadedModel]:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
         response = pb.ModelInferResponse(model_name=model.name, model_version=model.version_text, id=request_id)
         for name in names:
             array = outputs[name]
             response.outputs.add(name=name, datatype="FP32", shape=array.shape)
             response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
         # With the model that answered (the batch's snapshot): its statistics count the success.
-        return response, model
+        return Answer(response, [], GRPC, model)
 
     return encode

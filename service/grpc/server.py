@@ -36,9 +36,11 @@ from typing import Any, NoReturn
 import grpc
 
 from service.config import Settings
+from service.core.cost import Cost
 from service.core.dataplane import Dataplane, check_api_key
 from service.core.errors import ClientGone, DeadlineExceeded, ServiceError
-from service.core.logs import log_access, new_request_id, request_id
+from service.core.exchange import Answer
+from service.core.logs import log_access, new_request_id
 from service.core.request import find_model
 from service.core.runtime import StartupError
 from service.grpc import codec, guard
@@ -51,6 +53,7 @@ from service.protocols.v2 import config, extensions, metadata
 log = logging.getLogger("service")
 
 _SERVICE = "/inference.GRPCInferenceService/"
+_CODEC = codec.GrpcCodec()
 
 
 class _Count:
@@ -209,85 +212,66 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext  # noqa: N802
                          ) -> pb.ModelInferResponse:
-        """What service.http.endpoint.InferenceEndpoint._serve does for HTTP, for one call."""
-        start = time.perf_counter()
-        arrived = time.monotonic()
-        dataplane = self.dataplane
-        metadata = _metadata(context)
-        rid = metadata.get("x-request-id")
-        rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
-        token = request_id.set(rid)
-        outcome = ["-", 500]  # the model's label and the status, for the access log line
+        exchange = GrpcExchange(request, context)
+        self.in_progress.n += 1
         try:
-            try:
-                dataplane.admit(_authorization(metadata))
-            except ServiceError as e:
-                outcome[1] = dataplane.failed("-", e, protocol="grpc")
-                await _refuse(context, e, rid)
-            self.in_progress.n += 1
-            try:
-                answer = await self._infer(request, context, metadata, start, arrived, outcome)
-            finally:
-                self.in_progress.n -= 1
-                dataplane.release()
-            if isinstance(answer, ServiceError):
-                await _refuse(context, answer, rid)
-            context.set_trailing_metadata((("x-request-id", rid),))
-            return answer
+            await self.dataplane.serve(exchange)
         finally:
-            log_access("GRPC", f"ModelInfer {outcome[0]}", outcome[1], time.perf_counter() - start)
-            request_id.reset(token)
+            self.in_progress.n -= 1
+        context.set_trailing_metadata((("x-request-id", exchange.rid),))
+        return exchange.answer
 
-    async def _infer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext,
-                     metadata: dict[str, str | bytes], start: float, arrived: float, outcome: list
-                     ) -> pb.ModelInferResponse | ServiceError:
-        """The answer, or the error to end the call with; `outcome` says the model's label and status."""
-        dataplane = self.dataplane
-        name = request.model_name
-        model = name if dataplane.registry.get(name) is not None else "-"  # labels only for models that exist
-        outcome[0] = model
-        version: int | str | None = request.model_version or None  # the statistics': asked for, then decoded
-        cost = dataplane.cost()
-        try:
-            timeout_ms = metadata.get("x-request-timeout-ms")
-            until = dataplane.deadline(timeout_ms, arrived)
-            remaining = context.time_remaining()  # grpc-timeout, where the client set a deadline
-            if remaining is not None:
-                until = min(until, time.monotonic() + remaining)
-            # The message is in memory already (at most ATTEND_MAX_BODY_BYTES): it is held first, and a
-            # call that would take the budget past its limit is refused as HTTP's body would be.
-            cost.base = guard.message_size.get() or request.ByteSize()
-            cost.hold(cost.base, "this request")
-            with dataplane.within(until, "it was decoded"):
-                if cost.base > dataplane.inline_decode_bytes:
-                    decoded, encode = await dataplane.in_thread(until, codec.decode, dataplane, request, cost)
-                else:
-                    decoded, encode = codec.decode(dataplane, request, cost)
-            outcome[0] = model = decoded.model.name
-            version = decoded.model.config.version
-            response, snapshot = await dataplane.infer(decoded, until, encode, None, cost)
-        except ServiceError as e:
-            cost.release()
-            outcome[1] = dataplane.failed(e.model or model, e, time.perf_counter() - start, version, "grpc")
-            return e
-        except asyncio.CancelledError:
-            # The client cancelled, went away, or its deadline passed: grpc ends the call, nothing is sent.
-            cost.release()
-            remaining = context.time_remaining()
-            gone: ServiceError = DeadlineExceeded("the call's deadline passed") \
-                if remaining is not None and remaining <= 0 else ClientGone("the client cancelled the call")
-            outcome[1] = dataplane.failed(model, gone, time.perf_counter() - start, version, "grpc")
-            raise
-        except Exception:
-            cost.release()
-            log.exception("unhandled error in gRPC ModelInfer")
-            error = ServiceError("internal server error")
-            outcome[1] = dataplane.failed(model, error, time.perf_counter() - start, version, "grpc")
-            return error
-        cost.release()
-        dataplane.answered(model, 200, time.perf_counter() - start, snapshot, "grpc")
-        outcome[1] = 200
-        return response
+
+class GrpcExchange:
+    """One ModelInfer call, for service.core.exchange.serve: the message is the body; the answer is
+    returned by the servicer, an error ends the call with its status code."""
+
+    __slots__ = ("message", "context", "headers", "authorization", "timeout_ms", "arrived", "rid", "answer")
+    protocol = "grpc"
+    method = "GRPC"
+    codec = _CODEC
+    disconnected = None  # grpc cancels the call's task instead
+
+    def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
+        self.arrived = time.monotonic()
+        self.message = message
+        self.context = context
+        metadata = self.headers = _metadata(context)
+        self.authorization = _authorization(metadata)
+        self.timeout_ms = metadata.get("x-request-timeout-ms")
+        rid = metadata.get("x-request-id")
+        self.rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
+        self.answer: pb.ModelInferResponse | None = None
+
+    @property
+    def target(self) -> tuple[str, str | None]:
+        return self.message.model_name, self.message.model_version or None
+
+    def latest(self) -> float | None:
+        remaining = self.context.time_remaining()  # grpc-timeout, where the client set a deadline
+        return None if remaining is None else time.monotonic() + remaining
+
+    def path(self, model: str) -> str:
+        return f"ModelInfer {model}"
+
+    async def body(self, cost: Cost, until: float) -> pb.ModelInferRequest:
+        # In memory already (at most ATTEND_MAX_BODY_BYTES): held first, so that a call that would take the
+        # budget past its limit is refused as HTTP's body would be.
+        cost.base = guard.message_size.get() or self.message.ByteSize()
+        cost.hold(cost.base, "this request")
+        return self.message
+
+    def cancelled(self) -> ServiceError:
+        remaining = self.context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return DeadlineExceeded("the call's deadline passed")
+        return ClientGone("the client cancelled the call")
+
+    async def send(self, answer: Answer) -> None:
+        self.answer = answer.body
+
+    async def refuse(self, error: ServiceError) -> None:
+        await _refuse(self.context, error, self.rid)
 
 
 def _unimplemented(name: str) -> Handler:

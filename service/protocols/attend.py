@@ -64,7 +64,7 @@ from service.core.request import (
     finite,
 )
 from service.core.runtime import LoadedModel, Registry
-from service.protocols.codec import JSON, Headers, Target, media_type
+from service.protocols.codec import JSON, Answer, Headers, Target, media_type
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values", "scores")
@@ -644,11 +644,9 @@ def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_wei
     return orjson.dumps(body, option=_ORJSON)
 
 
-def encode_answer(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool
-                  ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    """The codec's encoder: the body, and the X-Model-Version header of the model that answered (the
-    batch's snapshot, made once per snapshot)."""
-    return encode_attend(model, outputs, return_weights), model.version_headers
+def encode_answer(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
+    """The codec's encoder: the body, with the X-Model-Version header of the model that answered."""
+    return Answer(encode_attend(model, outputs, return_weights), model.version_headers, JSON, model)
 
 
 def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS) -> bytes:
@@ -684,10 +682,6 @@ class AttendCodec:
         commas, brackets = json_counts(body)
         cost.decoding(json_decode(size, commas, brackets))
         return decode_body(body, core.registry, core.limits, brackets), encode_answer
-
-    def response(self, content: tuple[bytes, list[tuple[bytes, bytes]]]
-                 ) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
-        return content[0], content[1], JSON
 
     def error_body(self, error: ServiceError) -> bytes:
         return orjson.dumps(error.body())

@@ -33,9 +33,8 @@ from service.core.errors import (
 from service.core.request import MAX_DIMS, Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
 from service.protocols.attend import large_not_json
-from service.protocols.codec import JSON, Headers, Target, media_type
+from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, media_type
 
-OCTETS = b"application/octet-stream"
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
 _ACCEPTED = {"float32": {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")},
@@ -298,8 +297,7 @@ def tensors_request(model: LoadedModel, tensors: dict[str, np.ndarray], outputs:
 
 
 def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None) -> Encoder:
-    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool
-               ) -> tuple[bytes | list, int | None, LoadedModel]:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
         entries, blobs = [], []
         for name, binary in wanted:
             array = outputs[name]
@@ -316,9 +314,12 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
             head["id"] = request_id
         head["outputs"] = entries
         text = orjson.dumps(head, option=_ORJSON)
-        # In parts: the server sends them in one write without joining them (send_body).
         # With the model that answered (the batch's snapshot): its X-Model-Version header.
-        return ([text, *blobs], len(text), model) if blobs else (text, None, model)
+        if not blobs:
+            return Answer(text, model.version_headers, JSON, model)
+        # In parts: the server sends them in one write without joining them (send_body).
+        return Answer([text, *blobs], [(b"inference-header-content-length", b"%d" % len(text)),
+                                       *model.version_headers], OCTETS, model)
 
     return encode
 
@@ -400,14 +401,6 @@ class InferCodec:
         if split < len(body):
             request.held = len(body)  # binary tensors read in place: the body lives as long as they do
         return request, _encoder(model, wanted, request_id)
-
-    def response(self, content: tuple[bytes | list, int | None, LoadedModel]
-                 ) -> tuple[bytes | list, list[tuple[bytes, bytes]], bytes]:
-        body, header_length, model = content
-        if header_length is None:
-            return body, model.version_headers, JSON
-        return body, [(b"inference-header-content-length", str(header_length).encode()), *model.version_headers], \
-            OCTETS
 
     def error_body(self, error: ServiceError) -> bytes:
         return error_json(error)
