@@ -7,8 +7,8 @@
 #           C API library or the transformers and quantization tools, which the service does not load),
 #           the runtime dependencies at requirements.lock's versions, and tritonclient (the gRPC rows'
 #           encoder); for cp312 on manylinux x86-64
-#   tools/  wrk and its LuaJIT, and perf_analyzer with its Debian 13 loader and libraries, as
-#           bench/perf_analyzer.sh unpacked them (run `make perf-analyzer` once first)
+#   tools/  wrk and its LuaJIT; with PERF_ANALYZER=1, perf_analyzer with its Debian 13 loader and
+#           libraries, as bench/perf_analyzer.sh unpacked them (run `make perf-analyzer` once first)
 #
 # About 210 MiB in four pieces, against 255 MB for the onnxruntime-gpu wheel alone. On the GPU machine,
 # with every piece in one folder, from the project's root:
@@ -24,12 +24,13 @@ PART_MIB=${PART_MIB:-60}
 VERSION=$(sed -n 's/^VERSION=//p' bench/perf_analyzer.sh)  # perf_analyzer's, where bench/perf_analyzer.sh unpacks it
 TOOLS=${ATTEND_TOOLS:-/var/tmp/attend-tools}/perf-analyzer-$VERSION
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-[ -x "$TOOLS/perf_analyzer" ] || { echo "no perf_analyzer in $TOOLS: run make perf-analyzer once" >&2; exit 2; }
+WITH_PA=${PERF_ANALYZER:-0}  # off by default: scripts/gpu_check.sh does not run it, and each MiB is carried
+[ "$WITH_PA" = 0 ] || [ -x "$TOOLS/perf_analyzer" ] || { echo "no perf_analyzer in $TOOLS: run make perf-analyzer once" >&2; exit 2; }
 command -v wrk >/dev/null || { echo "no wrk: apt-get install wrk" >&2; exit 2; }
 
 WORK=$(mktemp -d /tmp/attend-gpu-bundle.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
-mkdir -p "$WORK/bundle/site" "$WORK/bundle/tools/perf-analyzer-$VERSION" "$WORK/wheels"
+mkdir -p "$WORK/bundle/site" "$WORK/bundle/tools" "$WORK/wheels"
 platform=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --platform manylinux_2_28_x86_64
           --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
           --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any)
@@ -51,7 +52,10 @@ rm -rf "$WORK"/bundle/site/onnxruntime/capi/libonnxruntime.so.* "$WORK"/bundle/s
     "$WORK/bundle/site/onnxruntime/transformers" "$WORK/bundle/site/onnxruntime/quantization"
 
 cp "$(command -v wrk)" "$(ldconfig -p | awk '/libluajit-5.1.so.2 / {print $NF; exit}')" "$WORK/bundle/tools/"
-cp -a "$TOOLS/perf_analyzer" "$TOOLS/root" "$WORK/bundle/tools/perf-analyzer-$VERSION/"
+if [ "$WITH_PA" != 0 ]; then
+    mkdir -p "$WORK/bundle/tools/perf-analyzer-$VERSION"
+    cp -a "$TOOLS/perf_analyzer" "$TOOLS/root" "$WORK/bundle/tools/perf-analyzer-$VERSION/"
+fi
 
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu && mkdir -p .gpu
