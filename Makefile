@@ -74,11 +74,16 @@ browser:  ## Debian's chromium for the page's browser tests, unless it is there 
 	@test -x $(CHROMIUM) || [ "$$ATTEND_SKIP_BROWSER" = 1 ] || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-# strace: the tests that count the service's system calls (a response in one write) use it. promtool (Debian's
-# prometheus package): tests/deploy/test_prometheus.py checks and unit-tests deploy/prometheus with it; the server
-# the package starts under systemd is stopped and disabled again (only the tool is wanted).
-tools:  ## Debian's strace and promtool (the prometheus package) for the suite, unless they are there
+# Every program the suite runs that a fresh Debian lacks (tests/test_tools.py reads them from the code and fails
+# on one missing here). strace: the tests that count the service's system calls (a response in one write). wrk:
+# the load generator of the bench scripts the tests run (bench/gc_cost.py, bench/where.py). curl: a client of
+# the refusal tests and docs/examples/v2_curl.sh. promtool (Debian's prometheus package):
+# tests/deploy/test_prometheus.py checks and unit-tests deploy/prometheus with it; the server the package starts
+# under systemd is stopped and disabled again (only the tool is wanted).
+tools:  ## Debian's strace, wrk, curl and promtool (the prometheus package) for the suite, unless they are there
 	@command -v strace >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace >/dev/null)
+	@command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null)
+	@command -v curl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null)
 	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		--no-install-recommends prometheus >/dev/null && (systemctl disable --now prometheus >/dev/null 2>&1 || true))
 

@@ -22,11 +22,23 @@ def repository(tmp_path_factory):
     return path
 
 
+def installed(program: str, package: str) -> str:
+    """The path of `program`, one `make tools` installs (Debian's `package`): without it the test fails,
+    saying so, rather than skip on a machine that should run it (`make test` runs `make tools` first)."""
+    path = shutil.which(program)
+    if path is None:
+        pytest.fail(f"{program} is not installed: `make tools` (which `make test` runs) installs it "
+                    f"(apt-get install {package})", pytrace=False)
+    return path
+
+
 @pytest.fixture(scope="session")
 def strace():
-    """strace, for the tests that count a process's system calls: `make test` installs it (Debian's
-    package); without it they fail, saying so, rather than skip on a machine that should run them."""
-    path = shutil.which("strace")
-    if path is None:
-        pytest.fail("strace is not installed: `make test` installs it (apt-get install strace)", pytrace=False)
-    return path
+    """strace, for the tests that count a process's system calls."""
+    return installed("strace", "strace")
+
+
+@pytest.fixture(scope="session")
+def wrk():
+    """wrk, the load generator of bench/loadgen.py and the bench scripts that use it."""
+    return installed("wrk", "wrk")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 import threading
 
@@ -95,8 +94,7 @@ def test_pool_files_hold_whole_requests(tmp_path):
         assert head.startswith(b"POST /attend HTTP/1.1\r\n") and f"Content-Length: {len(content)}".encode() in head
 
 
-needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None,
-                               reason="wrk is not installed (`make bench` installs Debian's; the suite does not)")
+needs_wrk = pytest.mark.usefixtures("wrk")  # tests/conftest.py: fails, naming `make tools`, where it is missing
 
 
 @needs_wrk
@@ -357,6 +355,7 @@ def test_the_weights_copy_bench_times_each_output_of_the_same_numbers(repository
         assert cells[0][1] == "1.00", out  # the graph as exported, against itself
 
 
+@needs_wrk
 def test_the_gc_bench_times_the_collections_of_the_real_service(repository):
     """bench/gc_cost.py: a row a point, from the file its hook in the service writes (read for every point:
     no file, no table). This checkout's requests leave no reference cycle, so its collections free under
@@ -426,6 +425,7 @@ def test_where_tells_each_stage_of_a_sample():
 
 
 @pytest.mark.slow
+@needs_wrk
 def test_where_splits_each_servers_cpu_a_request_into_its_stages(repository):
     """bench/where.py on both real servers under wrk: a row a stage for each, its figures a split of the
     event loop thread's CPU a request (the rows add up to it; the whole process's is at least as much), and

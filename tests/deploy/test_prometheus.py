@@ -1,7 +1,7 @@
 """deploy/prometheus: the scrape config and the alert rules are valid (`promtool check config`, `promtool check
 rules`), and the alerts fire when they should and only then (`promtool test rules alerts.test.yml`: input series,
-expected alerts). promtool is Debian's `prometheus` package (`make tools` installs it); skipped only where it
-is absent."""
+expected alerts). promtool is Debian's `prometheus` package: `make tools` installs it, and without it these
+fail, saying so."""
 
 from __future__ import annotations
 
@@ -9,34 +9,33 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.conftest import installed
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool absent (Debian's prometheus; make tools)")
 
 
 def promtool(*args: str) -> str:
-    done = subprocess.run([PROMTOOL, *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([PROMTOOL or installed("promtool", "prometheus"), *args], cwd=PROMETHEUS,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
 
-@needs_promtool
 def test_the_scrape_config_and_its_rules_are_valid():
     assert "SUCCESS" in promtool("check", "config", "prometheus.yml")
     assert "SUCCESS" in promtool("check", "rules", "alerts.yml")
 
 
-@needs_promtool
 def test_the_alerts_fire_on_their_input_series():
     assert "SUCCESS" in promtool("test", "rules", "alerts.test.yml")
 
 
 def test_every_alert_is_unit_tested_and_documented():
     """An alert added to alerts.yml without a test of it in alerts.test.yml, or a word in
-    docs/observability.md, fails here (with or without promtool)."""
+    docs/observability.md, fails here (without promtool too)."""
     rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
     alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
     tests = yaml.safe_load((PROMETHEUS / "alerts.test.yml").read_text())

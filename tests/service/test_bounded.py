@@ -170,7 +170,7 @@ def _refusals(url: str, body: bytes, **headers: str) -> dict[str, tuple[int | st
     except httpx.HTTPError as e:
         seen["httpx"] = (type(e).__name__, None)
     curl = shutil.which("curl")
-    assert curl, "curl is needed (Debian's curl)"
+    assert curl, "curl is not installed: `make tools` (which `make test` runs) installs it (apt-get install curl)"
     # Expect: curl would otherwise wait for a 100 Continue and never send the body to a refusal.
     out = subprocess.run([curl, "-s", "-o", "/dev/null", "-D", "-", "-X", "POST", "--data-binary", "@-",
                           "-H", "Expect:", *(x for k, v in headers.items() for x in ("-H", f"{k}: {v}")),

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
-                    reason="fetching Debian 13's libc needs apt-get and dpkg-deb")
+                    reason="not a Debian machine (no apt-get or dpkg-deb): the script runs perf_analyzer "
+                           "through Debian 13's libc, which it fetches with them")
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_perf_analyzer_runs_against_the_service(repository, protocol):
     command = ["bash", "bench/perf_analyzer.sh", "--protocol", protocol, "--repository", str(repository),
