@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from prometheus_client import multiprocess as metrics_files
 from uvicorn.supervisors import multiprocess
 
 from service.config import Settings
@@ -213,7 +214,8 @@ class Supervisor(multiprocess.Multiprocess):
     would accept, and reset them at the end (requests sent just after SIGTERM were dropped). Here
     SIGTERM and SIGINT reach the workers at once, as SIGTERM: each turns readiness off, keeps
     accepting for a moment, then closes its copy; the supervisor closes its own copy at once.
-    SIGHUP goes to the workers too: each loads what changed (uvicorn's default restarts them all)."""
+    SIGHUP goes to the workers too: each loads what changed (uvicorn's default restarts them all). A
+    worker that dies is replaced (uvicorn's loop), logged, and its live gauges leave /metrics."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -235,8 +237,18 @@ class Supervisor(multiprocess.Multiprocess):
         self.signal_queue.append(sig)
 
     def keep_subprocess_alive(self) -> None:
-        if not self._stopping:  # workers that end after the signal are not replaced
-            super().keep_subprocess_alive()
+        if self._stopping:  # workers that end after the signal are not replaced
+            return
+        before = list(self.processes)
+        super().keep_subprocess_alive()  # a dead worker (SIGKILL, the OOM killer, a crash) gets a new one
+        for old, new in zip(before, self.processes, strict=False):
+            if new is not old and old.pid is not None:
+                code = old.exitcode
+                log.error("worker %d ended (%s); worker %d started in its place", old.pid,
+                          f"signal {-code}" if code is not None and code < 0 else f"exit code {code}", new.pid)
+                # It left its live gauges' files: /metrics would go on counting its requests in flight and
+                # listing its pid. Its counters stay (the totals hold what it served).
+                metrics_files.mark_process_dead(old.pid)
 
     def _forward(self, sig: int) -> None:
         for process in self.processes:

@@ -1,0 +1,181 @@
+"""ATTEND_WORKERS=2, one worker killed (SIGKILL) under load: its supervisor starts another, the clients of the
+other worker lose no request, each client of the killed one at most the request it had on it, and /metrics
+forgets the dead worker's live gauges (its counters stay in the totals)."""
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from service.http.schemas import toy_request
+from tests.server import free_port, running_service
+
+pytestmark = pytest.mark.slow
+
+TOY = json.dumps(toy_request())
+JSON = {"content-type": "application/json"}
+
+
+def counter(metrics: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def worker_pids(url: str) -> set[int]:
+    """The workers /metrics counts as live (each has its own attend_worker_served, labelled by pid)."""
+    return {int(p) for p in re.findall(r'^attend_worker_served\{pid="(\d+)"\}', httpx.get(f"{url}/metrics").text,
+                                       re.M)}
+
+
+def owner(port: int, client_port: int, pids: set[int]) -> int | None:
+    """The process among `pids` that holds the server's end of the TCP connection from `client_port` to
+    `port` (from /proc/net/tcp and each process's descriptors)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state = fields[1], fields[2], fields[3]
+        if state == "01" and int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == client_port:
+            inode = fields[9]
+    for pid in pids:
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if f"socket:[{inode}]" in links:
+            return pid
+    return None
+
+
+class Client(threading.Thread):
+    """One kept-alive connection (a new one after an error), posting the toy request until told to stop;
+    every outcome recorded with the time it ended."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.http = url, httpx.Client(timeout=60)
+        self.outcomes: list[tuple[float, object]] = []
+        self.stop = threading.Event()
+
+    def post(self) -> httpx.Response:
+        return self.http.post(f"{self.url}/attend", content=TOY, headers=JSON)
+
+    def local_port(self) -> int:
+        """The client's port of the connection its last request went over."""
+        return self.post().extensions["network_stream"].get_extra_info("client_addr")[1]
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                r = self.post()
+                outcome: object = r.status_code if r.json().get("outputs") is not None else "no outputs"
+            except httpx.HTTPError as e:
+                outcome = type(e).__name__
+            self.outcomes.append((time.monotonic(), outcome))
+
+
+def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp_path):
+    log_path = tmp_path / "service.log"
+    grpc_port = free_port()
+    with running_service(repository, log_path=log_path, ATTEND_WORKERS="2", ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_GRPC_PORT=str(grpc_port), ATTEND_LOG_LEVEL="info") as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 60
+        while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = worker_pids(url)
+        assert len(pids) == 2
+
+        # Three clients on each worker: new connections, each kept where the kernel put it, until both have three.
+        clients: dict[int, list[Client]] = {pid: [] for pid in pids}
+        for _ in range(40):
+            if all(len(c) == 3 for c in clients.values()):
+                break
+            client = Client(url)
+            pid = owner(port, client.local_port(), pids)
+            assert pid in pids, pid
+            if len(clients[pid]) < 3:
+                clients[pid].append(client)
+            else:
+                client.http.close()
+        assert all(len(c) == 3 for c in clients.values()), {p: len(c) for p, c in clients.items()}
+        victim, survivor = sorted(pids)
+        everyone = [c for cs in clients.values() for c in cs]
+        for client in everyone:
+            client.start()
+        try:
+            time.sleep(1.0)
+            assert all(client.outcomes for client in everyone), "every client is sending"
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            # A new worker: the supervisor replaces the dead one, and /metrics no longer counts the dead one.
+            deadline = killed + 90
+            while time.monotonic() < deadline:
+                now = worker_pids(url)
+                if len(now) == 2 and victim not in now:
+                    break
+                time.sleep(0.2)
+            replacement = (now - {survivor}).pop()
+            assert now == {survivor, replacement} and replacement != victim, now
+            time.sleep(1.0)  # the load goes on with the new worker up
+        finally:
+            for client in everyone:
+                client.stop.set()
+            for client in everyone:
+                client.join(timeout=60)
+
+        assert proc.poll() is None  # the supervisor lives on
+        for client in clients[survivor]:  # the other worker's clients lost nothing, before, during and after
+            outcomes = {o for _, o in client.outcomes}
+            assert outcomes == {200}, outcomes
+            assert sum(1 for t, _ in client.outcomes if t > killed) > 5
+        for client in clients[victim]:  # the killed one's: at most the request it had, then served elsewhere
+            failed = [(t - killed, o) for t, o in client.outcomes if o != 200]
+            assert len(failed) <= 1 and all(t >= 0 for t, _ in failed), failed
+            assert sum(1 for t, o in client.outcomes if t > killed and o == 200) > 5
+
+        metrics = httpx.get(f"{url}/metrics").text
+        # Nothing in flight once the clients stopped: the dead worker's gauge left the sum with it.
+        assert counter(metrics, "attend_requests_in_flight") == 0
+        assert counter(metrics, "attend_ready") == 1
+        pids_in = {int(p) for p in re.findall(r'^attend_inflight_bytes_limit\{pid="(\d+)"\}', metrics, re.M)}
+        assert pids_in == {survivor, replacement}
+        # The dead worker's counters stay in the totals: at least every answer a client of the others received.
+        total = counter(metrics, "attend_requests_total", model="additive", protocol="http", status="200")
+        assert total >= sum(o == 200 for c in clients[survivor] for _, o in c.outcomes)
+
+        # The new worker serves gRPC too, on the shared port (SO_REUSEPORT): calls on new connections
+        # reach both workers.
+        before = {pid: counter(metrics, "attend_worker_served", pid=str(pid)) for pid in (survivor, replacement)}
+        queries = np.asarray(toy_request()["queries"], dtype=np.float32)
+        keys = np.asarray(toy_request()["keys"], dtype=np.float32)
+        values = np.asarray(toy_request()["values"], dtype=np.float32)
+        for _ in range(24):
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc_client:
+                inputs = []
+                for name, array in (("queries", queries), ("keys", keys), ("values", values)):
+                    tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
+                    tensor.set_data_from_numpy(array)
+                    inputs.append(tensor)
+                result = grpc_client.infer("additive", inputs)
+                assert result.as_numpy("outputs").shape == (2, 1, 4)
+        metrics = httpx.get(f"{url}/metrics").text
+        after = {pid: counter(metrics, "attend_worker_served", pid=str(pid)) for pid in (survivor, replacement)}
+        assert sum(after.values()) - sum(before.values()) == 24
+        assert after[replacement] > before[replacement], (before, after)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+
+    log = log_path.read_text()
+    assert f"worker {victim} ended (signal 9); worker {replacement} started in its place" in log
+    assert "Traceback" not in log
