@@ -34,7 +34,7 @@ from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
 from service.grpc.server import check_port
 from service.http.app import create_app
-from service.http.server import GracefulServer, raise_file_limit, run_workers, uvicorn_options
+from service.http.server import GracefulServer, check_in_a_process, raise_file_limit, run_workers, uvicorn_options
 
 log = logging.getLogger("service")
 
@@ -78,7 +78,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     try:
         if settings.grpc_port:
             check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
-        registry = load_registry(settings)
+        if settings.workers == 1:
+            registry = load_registry(settings)
+        else:
+            check_in_a_process(settings)  # each worker loads its own sessions
     except StartupError as e:
         log.critical("cannot start: %s", e)
         return 1
@@ -87,8 +90,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         app = with_grpc(create_app(settings, registry), settings)
         GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
     else:
-        # Each worker process loads its own sessions; the load above was the check.
-        del registry
         run_workers(settings, "service.asgi:create_worker_app")
     return 0
 

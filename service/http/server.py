@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import gc
 import logging
+import multiprocessing
 import os
 import resource
 import signal
@@ -23,7 +25,9 @@ from prometheus_client import multiprocess as metrics_files
 from uvicorn.supervisors import multiprocess
 
 from service.config import Settings
-from service.core.logs import flush_logs
+from service.core.dataplane import load_registry
+from service.core.logs import configure_logging, flush_logs
+from service.core.runtime import StartupError
 from service.http.protocol import Guard, GuardedProtocol
 
 log = logging.getLogger("service")
@@ -282,6 +286,26 @@ def run_workers(settings: Settings, factory: str = "service.asgi:create_app") ->
         for name in os.listdir(metrics_dir):
             os.unlink(os.path.join(metrics_dir, name))
         os.rmdir(metrics_dir)
+
+
+def check_in_a_process(settings: Settings) -> None:
+    """ATTEND_WORKERS > 1: the repository loaded as a worker will load it, in a process of its own that is gone
+    before the workers start (StartupError: why it cannot be served). Loaded in the supervisor, the sessions
+    would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failure = pool.submit(_load, settings).result()
+    if failure:
+        raise StartupError(failure)
+
+
+def _load(settings: Settings) -> str:
+    """Every model of the repository loaded, then let go: why not, or "" (check_in_a_process's process)."""
+    configure_logging(settings.log_level)
+    try:
+        load_registry(settings)
+    except StartupError as e:
+        return str(e)
+    return ""
 
 
 def raise_file_limit() -> None:

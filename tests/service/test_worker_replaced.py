@@ -179,3 +179,18 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
     log = log_path.read_text()
     assert f"worker {victim} ended (signal 9); worker {replacement} started in its place" in log
     assert "Traceback" not in log
+
+
+def test_with_workers_a_repository_that_cannot_be_served_stops_the_start_in_one_line(tmp_path):
+    """The supervisor loads the models in a process of its own (none of their sessions, on CUDA none of its
+    context, stays in it); what fails there stops the start as it does without workers."""
+    import subprocess
+    import sys
+
+    env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere"),
+                        "ATTEND_GRPC_PORT": "0", "ATTEND_DEVICE": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith(f"cannot start: model repository {tmp_path / 'nowhere'} does not exist "
+                                        "(run `python -m export`)"), done.stderr
+    assert "Traceback" not in done.stderr
