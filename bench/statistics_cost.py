@@ -7,7 +7,7 @@ request costs: the book's toy request (additive, W1's body) running alone, in-pr
    thread): Job, the scheduler's submit (alone: run_alone, i.e. _observe, run_batch, _learn) and
    Dataplane.answered; the median and least of the rounds.
 2. The statements the statistics add to that path, replayed by themselves (timeit, the least of 9): the two
-   stamps and the record of run_batch (`_ran`), the queue's sum in Batcher._observe, the success in
+   stamps and the record of run_batch (`ran`), the queue's sum in Batcher._observe, the success in
    Dataplane.answered. A replay: kept beside the code it copies, checked by reading.
 """
 
@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 import orjson  # noqa: E402
 
 from service.config import Settings  # noqa: E402
-from service.core.batching import Job, _ran  # noqa: E402
+from service.core.batching import Job  # noqa: E402
+from service.core.merge import ran  # noqa: E402
 from service.core.dataplane import Dataplane  # noqa: E402
 from service.http.schemas import toy_request  # noqa: E402
 from service.protocols.attend import decode_body  # noqa: E402
@@ -59,7 +60,7 @@ def added_statements(job: Job) -> float:
 
     def added() -> None:
         begun = time.perf_counter()  # run_batch
-        _ran(model, jobs, results, begun, begun, 2e-5)  # (where it returned `results, seconds` before)
+        ran(model, jobs, results, begun, begun, 2e-5)  # (where it returned `results, seconds` before)
         waited = 0.0  # Batcher._observe
         waited += begun - job.enqueued
         model.statistics.queued(len(jobs), waited)

@@ -66,10 +66,14 @@ _RULES = (
     ("metrics and logs", "", "service/core/logs.py"),
     ("metrics and logs", "", "prometheus_client/"),
     ("batching", "", "service/core/batching.py"),
+    ("batching", "", "service/core/merge.py"),
+    ("batching", "", "service/core/jobs.py"),
+    ("batching", "", "service/core/runcost.py"),
 )
 _PLAIN_LINES = (("orjson.loads", "JSON parse"), ("orjson.dumps", "JSON encode"), ("np.asarray", "arrays and checks"),
                 ("np.repeat", "arrays and checks"), ("transport.write", "socket write"))
 _FRAMEWORK = ("uvicorn/", "httptools", "starlette/", "fastapi/", "service/http/", "service/core/dataplane.py",
+              "service/core/exchange.py",
               "plain_server.py", "anyio/", "service/asgi.py")
 
 

@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     # costs more than their parse. Larger ones go to a decode thread, so the loop keeps serving meanwhile.
     inline_decode_bytes: int = Field(1024 * 1024, ge=0)
     # Batches whose session run is predicted (the model's cost: its warm-up runs, then its runs so far;
-    # service.core.batching.RunCost) to take less than this run on the event loop; longer ones on an
+    # service.core.runcost.RunCost) to take less than this run on the event loop; longer ones on an
     # inference thread.
     inline_run_us: int = Field(1000, ge=0)
     # ... and a request alone in the server (nothing to overlap its run with) when under this.

@@ -11,7 +11,7 @@ Who counts what:
     success, fail          the Dataplane, as it answers a request or its error (`answered`, `failed`):
                            time from the request's arrival at the transport to its answer
     queue                  the batcher, as it takes a request from the queue into a batch
-    compute_input/infer/   the batch's run (service.core.batching.run_batch): merging the requests' arrays,
+    compute_input/infer/   the batch's run (service.core.merge.run_batch): merging the requests' arrays,
     compute_output         the session run, slicing and encoding every answer; each request of the batch is
                            charged its batch's durations, as Triton does; per batch size in batch_stats
     inference_count        rows (batch elements) run; execution_count: session runs

@@ -389,9 +389,9 @@ def test_where_tells_each_stage_of_a_sample():
     loop = ["<module> (/x/service/__main__.py:1)", "Server.run (/v/site-packages/uvicorn/server.py:86)",
             "Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"]
     asgi = [*loop, "RequestResponseCycle.run_asgi (/v/site-packages/uvicorn/protocols/http/httptools_impl.py:422)"]
-    ours = [*asgi, "InferenceEndpoint._serve (/x/service/http/endpoint.py:182)"]
+    ours = [*asgi, "InferenceEndpoint.__call__ (/x/service/http/endpoint.py:85)", "serve (/x/service/core/exchange.py:100)"]
     decode = [*ours, "decode_body (/x/service/protocols/attend.py:530)"]
-    batch = [*ours, "Scheduler.submit (/x/service/core/batching.py:740)", "run_batch (/x/service/core/batching.py:316)"]
+    batch = [*ours, "Scheduler.submit (/x/service/core/batching.py:740)", "run_batch (/x/service/core/merge.py:90)"]
     plain = str(ROOT / "bench" / "plain_server.py")
     cases = {
         "session run": [*batch, "LoadedModel.run (/x/service/core/runtime.py:136)",
@@ -402,11 +402,11 @@ def test_where_tells_each_stage_of_a_sample():
                               "_finite (/x/service/protocols/attend.py:259)"],
         "JSON encode": [*batch, "encode_answer (/x/service/protocols/attend.py:648)",
                         "encode_attend (/x/service/protocols/attend.py:641)"],
-        "batching": [*batch, "merge (/x/service/core/batching.py:299)"],
+        "batching": [*batch, "merge (/x/service/core/merge.py:20)"],
         "socket write": [*ours, "send_body (/x/service/http/extensions.py:122)",
                          "CoalescingTransport.write (/x/service/http/protocol.py:117)"],
         "metrics and logs": [*ours, "log_access (/x/service/core/logs.py:187)"],
-        "HTTP, ASGI, framework": [*ours, "InferenceEndpoint.__call__ (/x/service/http/endpoint.py:117)"],
+        "HTTP, ASGI, framework": [*ours, "HttpExchange.__init__ (/x/service/http/endpoint.py:117)"],
         "event loop": loop,
         "other": [*loop, "something (/x/elsewhere.py:1)"],
     }

@@ -14,17 +14,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from service.core.batching import (
-    BatchLimits,
-    Job,
-    RunCost,
-    Scheduler,
-    _product_sum,
-    _same_shapes,
-    _terms,
-    merge,
-    run_batch,
-)
+from service.core.batching import BatchLimits, Job, Scheduler
+from service.core.merge import merge, product_sum, run_batch, run_terms, same_shapes
+from service.core.runcost import RunCost
 from service.core.cost import answer
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.core.metrics import Metrics
@@ -144,7 +136,7 @@ def test_one_merged_run_equals_separate_runs(reference, kind, lengths):
     bodies = (mixed_bodies if lengths == "mixed" else like_bodies)(kind, 12, seed=len(kind))
     requests = [reference.decode(b) for b in bodies]
     jobs = [Job(r, deadline=float("inf"), encode=encode_attend) for r in requests]
-    assert _same_shapes(jobs) == (lengths == "same")
+    assert same_shapes(jobs) == (lengths == "same")
     feed = merge(requests[0].model, jobs)
     first = requests[0].model.inputs()[0].name  # queries, or scores
     assert feed[first].shape[0] == sum(j.rows for j in jobs)  # really one run for all
@@ -248,8 +240,8 @@ def test_a_jobs_elements_are_its_runs(reference, registry):
             assert (other < job.cost if sent else other > job.cost) if weights else other == job.cost
         feed = merge(model, jobs)
         widest = tuple(max(s) for s in zip(*(j.shape for j in jobs), strict=True))
-        batched, unbatched = _terms(model)
-        assert sum(j.rows for j in jobs) * _product_sum(batched, widest) + _product_sum(unbatched, widest) == sum(
+        batched, unbatched = run_terms(model)
+        assert sum(j.rows for j in jobs) * product_sum(batched, widest) + product_sum(unbatched, widest) == sum(
             a.size for a in feed.values()) + sum(a.size for a in model.run(feed).values())
 
 
@@ -280,7 +272,7 @@ def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference, 
     """A layout's requests (service.protocols.attend's plans, made when the layout comes a second time) carry
     one memo, where the first Job leaves the sizes the others then take: the same as each request's own, and
     another layout's are its own."""
-    from service.core.batching import _sizes
+    from service.core.jobs import job_sizes
 
     rng = np.random.default_rng(1)
     for kind in ("dot_product", "additive", "multi_head", "self_attention"):
@@ -293,7 +285,7 @@ def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference, 
         jobs = [Job(r, 0.0) for r in requests]
         assert requests[0].memo["job sizes"] is not None
         for job, request in zip(jobs, requests, strict=True):
-            sizes = _sizes(request)
+            sizes = job_sizes(request)
             assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.shape, job.elements) == sizes[:5] + sizes[6:]
             assert job.cost == sizes[5][0 if request.return_weights else 1]
             assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
@@ -713,10 +705,10 @@ async def test_a_deadline_passing_while_the_decode_thread_is_busy_is_504_and_nev
     thread comes free the decode is not started."""
     small = settings.model_copy(update={"inline_decode_bytes": 100, "inference_threads": 1})
     async with _started(small) as app:
-        endpoint = app.state.attend
+        codec = app.state.attend.codec
         decoded = []
-        original = endpoint.decode
-        endpoint.decode = lambda core, target, headers, body, cost: decoded.append(len(body)) or original(
+        original = codec.decode
+        codec.decode = lambda core, target, headers, body, cost: decoded.append(len(body)) or original(
             core, target, headers, body, cost)
         release = threading.Event()
         app.state.dataplane._decoder.submit(release.wait)  # the one decode thread, busy

@@ -1,0 +1,114 @@
+"""A request in the batching queue (`Job`): its sizes along each axis of its model's signature, which of
+them a batch may pad, and what its arrays, run and answer cost in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.core.cost import answer
+from service.core.request import Request
+from service.core.runtime import LoadedModel
+
+# (model, one request's outputs by name, whether it asked for the attention weights) -> its response body
+Encoder = Callable[[LoadedModel, dict[str, np.ndarray], bool], Any]
+
+
+_SEQUENCE = ("n_q", "n_k", "n")
+
+
+# The feature sizes that a kind's graph leaves free and a batch may pad (see the module's docstring).
+_PADDED_FEATURES = {"dot_product": ("d", "value_size"), "additive": ("value_size",)}
+
+
+def fixed_axes(model: LoadedModel) -> frozenset[str]:
+    """The named axes a batch cannot pad: its requests have the same size of each."""
+    padded = {"batch", *_SEQUENCE, *_PADDED_FEATURES.get(model.kind, ())}
+    return frozenset(axis for _, named in model.named_input_axes for _, axis in named if axis not in padded)
+
+
+class Job:
+    """One request in the queue: its future gets the encoded response, or the error.
+
+    `axes` holds the request's size of every named axis of its model's signature (batch, n_q, n_k
+    or n, and the free feature sizes); `shape` the same but batch, in the signature's order; `key`
+    the sizes no batch pads (requests of one key may merge); `elements` those of its run's inputs
+    and outputs (`RunCost`)."""
+
+    __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
+                 "n_k", "key", "cost", "shape", "elements")
+
+    def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
+                 is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
+        self.request = request
+        self.deadline = deadline  # time.monotonic()
+        self.encode = encode
+        self.is_disconnected = is_disconnected
+        self.enqueued = time.monotonic()
+        self.future = future
+        memo = request.memo  # requests of one layout (service.protocols.attend's plans) share their sizes
+        sizes = None if memo is None else memo.get("job sizes")
+        if sizes is None:
+            sizes = job_sizes(request)
+            if memo is not None:
+                memo["job sizes"] = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements = sizes
+        self.cost = costs[0] if request.return_weights else costs[1]  # the weights in the answer, or not
+
+
+@dataclass(frozen=True, slots=True)
+class SizePlan:
+    """Where a model's Job sizes come from, worked out once per snapshot (LoadedModel.derived)."""
+
+    reads: tuple[tuple[str, int, str], ...]  # (input, position, axis): the request's size of each named axis
+    fixed: tuple[str, ...]  # the axes no batch pads (`fixed_axes`), in the order of `reads`
+    others: tuple[str, ...]  # the axes but batch, in that order (Job.shape)
+    outputs: tuple[tuple[int, tuple[str, ...], bool], ...]  # an output's fixed sizes' product, its named axes,
+    # whether it is the attention weights
+    hidden: int  # the numbers a weight is computed from (additive attention's num_hiddens; else 0)
+
+    @staticmethod
+    def of(model: LoadedModel) -> SizePlan:
+        plan = model.derived.get("job sizes")
+        if plan is None:
+            reads = tuple((name, i, axis) for name, named in model.named_input_axes for i, axis in named)
+            order = list(dict.fromkeys(axis for _, _, axis in reads))
+            fixed = fixed_axes(model)
+            outputs = tuple((math.prod(d for d in spec.shape if d.__class__ is int),
+                             tuple(d for d in spec.shape if d.__class__ is str), spec.name == "attention_weights")
+                            for spec in model.outputs)
+            hidden = int(model.config.hyperparameters.get("num_hiddens", 0)) if model.kind == "additive" else 0
+            plan = model.derived["job sizes"] = SizePlan(reads, tuple(a for a in order if a in fixed),
+                                                          tuple(a for a in order if a != "batch"), outputs, hidden)
+        return plan
+
+
+def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int], tuple[int, ...], int]:
+    """A Job's axes, rows, n_q, n_k, key, what its arrays, run and answer cost in memory with the weights
+    in the answer and without (service.core.cost.answer), shape and elements, from its request's shapes."""
+    plan = SizePlan.of(request.model)
+    feed = request.feed
+    axes = {axis: feed[name].shape[i] for name, i, axis in plan.reads}
+    n_q = axes.get("n_q") or axes["n"]
+    # The second length of a run's cost: keys, or for the positional encoding its features.
+    n_k = axes.get("n_k") or axes.get("d") or n_q
+    elements = sum([a.size for a in feed.values()])
+    outputs = weights = 0
+    for fixed, named, is_weights in plan.outputs:
+        size = fixed * math.prod([axes[d] for d in named])
+        outputs += size
+        if is_weights:
+            weights = size
+    costs = (answer(elements, outputs, weights, plan.hidden), answer(elements, outputs, weights, plan.hidden, False))
+    return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), costs,
+            tuple([axes[a] for a in plan.others]), elements + outputs)
+
+
+def heads_of(model: LoadedModel) -> int:
+    return int(model.config.hyperparameters.get("num_heads", 1))
