@@ -8,7 +8,8 @@ Why a second graph: on the CPU the node is one kernel that keeps the scores in o
 added, the softmax taken in place), where the traced graph makes a new (batch, heads, n_q, n_k) tensor at
 each of its steps; `python bench/compute.py` measures both. Why not the only graph: ONNX Runtime's CUDA kernel of
 `Attention` refuses `qk_matmul_output_mode` 3 (NOT_IMPLEMENTED in 1.31), and the weights output is
-part of every answer; model.onnx, the traced graph, stays what every other execution provider runs.
+part of every answer; model.onnx, the traced graph, stays what every other execution provider runs for
+a batch that wants them. For one that does not, CUDA has a graph of its own (below).
 
 The graph takes what the traced one takes and answers the same, name for name and axis for axis
 (`export.repository.signature`):
@@ -46,6 +47,27 @@ The graph takes what the traced one takes and answers the same, name for name an
   2-10% of the graph's time, the most at the largest n: `python bench/weights_copy.py`). dot_product's Y,
   with a 0 for value_size, leaves through a Reshape to its shape from the inputs (n_q x value_size
   numbers: no time to speak of); multi_head's Y is sized right (num_hiddens is a number).
+
+The CUDA graph (`cuda=True`, model.cuda.outputs.onnx, `variants["cuda_outputs"]`): the same model without
+the weights, for the batches that return none on ONNX Runtime's CUDA execution provider, where the
+`Attention` node runs on a fused kernel (onnxruntime/core/providers/cuda/llm/attention.cc, 1.31: Flash
+for fp16/bf16 only; memory-efficient attention, cutlass's, for fp32 too, where the head sizes of Q, K
+and V are multiples of 8 up to 1024 and no weights are asked for, a mask only where n_k is a multiple of
+4; else its unfused kernel, which writes the scores). It differs from the CPU's graph where CUDA needs it:
+
+- multi_head's and self_attention's heads are padded to a multiple of 8 (the book's 100 / 5 = 20 to
+  24): each head's columns of W_q, W_k, W_v get zero columns after them, W_o zero rows to match, so
+  the padded features add zeros to every dot product and the padded outputs meet zero weights; the
+  scale is set to 1/sqrt(the real head size), not the node's default of the padded one. On the CPU
+  the padding would be a fifth more work for nothing: its kernel takes any head size.
+- a query of valid length 0 gets a zero row after the `If` (a Where): CUDA's kernels do not all make
+  one (the unfused kernel gives a row with no key the mean of V; the memory-efficient one too, for a
+  row the mask takes whole), the CPU's kernel does.
+- the node has no qk_matmul_output_mode: no weights output.
+
+1-D lengths go in as nonpad_kv_seqlen, 2-D ones through the mask, as in the CPU's graph: CUDA's kernel
+turns a boolean mask into an additive bias of (batch, 1, n_q, n_k) floats, memory quadratic in n but once
+for all heads, and still no score matrix where the memory-efficient kernel runs.
 """
 
 from __future__ import annotations
@@ -61,10 +83,13 @@ from torch import nn
 from export.errors import ExportError
 from export.repository import signature
 
-__all__ = ["FUSED_KINDS", "OPSET", "export_fused", "fused_graph"]
+__all__ = ["FUSED_KINDS", "HEAD_MULTIPLE", "OPSET", "export_fused", "fused_graph", "padded_head_size"]
 
 OPSET = 24  # Attention is an operator from opset 23 on; nonpad_kv_seqlen, from 24
 FUSED_KINDS = ("dot_product", "multi_head", "self_attention")
+# CUDA's fused kernels of `Attention` take head sizes that are multiples of this (flash::is_supported and
+# has_memory_efficient_attention in ONNX Runtime 1.31): the CUDA graph pads its heads to one.
+HEAD_MULTIPLE = 8
 _TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
 
 
@@ -90,25 +115,49 @@ class _Graph:
         return helper.make_graph(self.nodes, name, [], [
             helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in outputs.items()])
 
-    def linear(self, x: str, layer: nn.Linear, name: str, output: str | None = None) -> str:
-        """x @ W.T (+ b), as nn.Linear; the result named `output` (default: "<name>.out")."""
+    def linear(self, x: str, layer: nn.Linear, name: str, output: str | None = None,
+               pad: tuple[int, int, int] | None = None, rows: bool = False) -> str:
+        """x @ W.T (+ b), as nn.Linear; the result named `output` (default: "<name>.out"). With `pad`
+        (heads, head size, padded head size), W.T's columns and b (its rows, with `rows`) split into heads,
+        each followed by zeros up to the padded size (`_pad_heads`)."""
         output = output or f"{name}.out"
-        weight = layer.weight.detach().to("cpu").numpy().T.copy()
-        y = self.op("MatMul", [x, self.const(f"{name}.weight", weight)],
-                    output if layer.bias is None else f"{name}.matmul")
-        if layer.bias is not None:
-            bias = layer.bias.detach().to("cpu").numpy().copy()
+        weight = layer.weight.detach().to("cpu").numpy().T.copy()  # (in, out)
+        bias = None if layer.bias is None else layer.bias.detach().to("cpu").numpy().copy()
+        if pad is not None:
+            weight = _pad_heads(weight, *pad, axis=0 if rows else 1)
+            if bias is not None and not rows:
+                bias = _pad_heads(bias, *pad, axis=0)
+        y = self.op("MatMul", [x, self.const(f"{name}.weight", weight)], output if bias is None else f"{name}.matmul")
+        if bias is not None:
             y = self.op("Add", [y, self.const(f"{name}.bias", bias)], output)
         return y
 
 
-def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool = True) -> onnx.ModelProto:
+def padded_head_size(head: int) -> int:
+    """`head` rounded up to a multiple of HEAD_MULTIPLE: the CUDA graph's head size."""
+    return -(-head // HEAD_MULTIPLE) * HEAD_MULTIPLE
+
+
+def _pad_heads(array: np.ndarray, heads: int, head: int, padded: int, axis: int) -> np.ndarray:
+    """`array` with its `axis` (heads x head long, head after head) made heads x padded: each head's
+    entries, then zeros."""
+    moved = np.moveaxis(array, axis, 0)
+    out = np.zeros((heads, padded, *moved.shape[1:]), dtype=array.dtype)
+    out[:, :head] = moved.reshape((heads, head, *moved.shape[1:]))
+    return np.ascontiguousarray(np.moveaxis(out.reshape((heads * padded, *moved.shape[1:])), 0, axis))
+
+
+def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool = True,
+                cuda: bool = False) -> onnx.ModelProto:
     """The `Attention`-node graph of `module` (a models.DotProductAttention, MultiHeadAttention or
     SelfAttention of `kind` with hyperparameters `hp`), with `signature(kind, hp)`'s inputs and outputs;
     without `attention_weights` where `weights` is False (model.cpu.outputs.onnx: the nodes then do not
-    copy the weights out)."""
+    copy the weights out); with `cuda`, the CUDA graph (model.cuda.outputs.onnx: no weights, heads padded
+    to a multiple of 8, zero rows for valid length 0)."""
     if kind not in FUSED_KINDS:
         raise ExportError(f"no fused graph for kind {kind!r}; only for {', '.join(FUSED_KINDS)}")
+    if cuda and weights:
+        raise ExportError("the CUDA graph has no attention_weights output (CUDA's kernel cannot return them)")
     inputs, outputs = signature(kind, hp)
     if not weights:
         outputs = [s for s in outputs if s.name != "attention_weights"]
@@ -128,19 +177,26 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
 
     n_k_1 = g.op("Shape", [keys], "n_k_1", start=1, end=2)  # [n_k]
     n_k_64 = g.op("Squeeze", [n_k_1], "n_k_64")
+    head = 0 if kind == "dot_product" else int(hp["num_hiddens"]) // heads
+    # The CUDA graph's heads: a multiple of 8, for CUDA's fused kernels (dot_product's d is the caller's).
+    pad = (heads, head, padded_head_size(head)) if cuda and head and head % HEAD_MULTIPLE else None
     if kind == "dot_product":
         q, k, v = queries, keys, values
     else:
-        q = g.linear(queries, module.W_q, "W_q")
-        k = g.linear(keys, module.W_k, "W_k")
-        v = g.linear(values, module.W_v, "W_v")
+        q = g.linear(queries, module.W_q, "W_q", pad=pad)
+        k = g.linear(keys, module.W_k, "W_k", pad=pad)
+        v = g.linear(values, module.W_v, "W_v", pad=pad)
     # 3-D Q, K, V: the node splits the last axis into heads and joins them again in Y, as
     # MultiHeadAttention's _split_heads and its transpose-reshape do. Its weights are (batch, heads,
     # n_q, n_k), the graph's output as they are: dot_product's with the axis of its one head, which
     # config.json does not declare (export.repository.one_head_axis).
     y, scores = "attended", "attention_weights"
-    attention = {"q_num_heads": heads, "kv_num_heads": heads, "qk_matmul_output_mode": 3}
-    y_shape = ["batch", "n_q", "value_size" if kind == "dot_product" else int(hp["num_hiddens"])]
+    attention: dict[str, Any] = {"q_num_heads": heads, "kv_num_heads": heads}
+    if not cuda:
+        attention["qk_matmul_output_mode"] = 3
+    elif head:  # the book's 1/sqrt(head size): the node's default would take the padded one's
+        attention["scale"] = float(1 / np.sqrt(head))
+    y_shape = ["batch", "n_q", "value_size" if kind == "dot_product" else heads * (pad[2] if pad else head)]
     w_shape = ["batch", heads, "n_q", "n_k"]
 
     # Lengths per example (each row of valid_lens one number: 1-D lengths, absent ones, the batcher's
@@ -170,20 +226,24 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
     by_length_out, by_mask_out = {"y_by_length": y_shape}, {"y_by_mask": y_shape}
     if weights:
         by_length_out["w_by_length"] = by_mask_out["w_by_mask"] = w_shape
-    g.op("If", [per_example], [y, scores][:2 if weights else 1],
+    g.op("If", [per_example], [f"{y}_by_if" if cuda else y, scores][:2 if weights else 1],
          then_branch=by_length.subgraph("by_length", by_length_out),
          else_branch=by_mask.subgraph("by_mask", by_mask_out))
+    if cuda:  # a query of valid length 0 attends to nothing: a zero row, which CUDA's kernels do not all make
+        attends = g.op("Unsqueeze", [g.op("Greater", ["valid_lens", "zero_64"], "attends_2d"),
+                                     g.const("axis_2", np.array([2], np.int64))], "attends")  # (batch, n_q, 1)
+        g.op("Where", [attends, f"{y}_by_if", g.const("zero_f", np.array(0, np.float32))], y)
 
     if kind == "dot_product":  # Y reshaped to its shape from the inputs; the weights as the node makes them
         batch_n_q = g.op("Shape", [queries], "batch_n_q", start=0, end=2)  # [batch, n_q]
         value_size = g.op("Shape", [values], "value_size", start=2, end=3)
         out_shape = g.op("Concat", [batch_n_q, value_size], "out_shape", axis=0)
         g.op("Reshape", [y, out_shape], "outputs")
-    else:  # Y's last axis is num_hiddens, a number: shape inference sizes it right
-        g.linear(y, module.W_o, "W_o", output="outputs")
+    else:  # Y's last axis is num_hiddens (or its padded heads), a number: shape inference sizes it right
+        g.linear(y, module.W_o, "W_o", output="outputs", pad=pad, rows=True)
 
     graph = helper.make_graph(
-        g.nodes, f"{kind}_fused",
+        g.nodes, f"{kind}_fused_cuda" if cuda else f"{kind}_fused",
         [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], list(s.shape)) for s in inputs],
         [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], w_shape if (kind, s.name) == ("dot_product", scores)
                                        else list(s.shape)) for s in outputs],
@@ -195,10 +255,11 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
     return model
 
 
-def export_fused(module: nn.Module, kind: str, hp: dict[str, Any], path: Path, weights: bool = True) -> int:
-    """Write `module`'s fused graph (without the weights where `weights` is False) to `path` (one
-    self-contained file); returns the opset."""
-    model = fused_graph(kind, module, hp, weights)
+def export_fused(module: nn.Module, kind: str, hp: dict[str, Any], path: Path, weights: bool = True,
+                 cuda: bool = False) -> int:
+    """Write `module`'s fused graph (without the weights where `weights` is False; CUDA's with `cuda`) to
+    `path` (one self-contained file); returns the opset."""
+    model = fused_graph(kind, module, hp, weights, cuda)
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:

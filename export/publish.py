@@ -2,9 +2,9 @@
 
 Each version folder holds its model.onnx (the traced graph, for every execution provider), for
 dot_product, multi_head and self_attention also model.cpu.onnx (export.fused: ONNX's `Attention`,
-for the CPU execution provider) and model.cpu.outputs.onnx (the same without attention_weights, for
-batches that return none), and its own config.json; the model's config.json (the same
-as its newest version's) says which version is the newest.
+for the CPU execution provider), model.cpu.outputs.onnx (the same without attention_weights, for
+batches that return none) and model.cuda.outputs.onnx (CUDA's graph for those batches), and its own
+config.json; the model's config.json (the same as its newest version's) says which version is the newest.
 
 Nothing is half-written: the graph is exported and validated in a hidden folder inside the
 repository and renamed into place only when every check passed; config.json is replaced
@@ -27,6 +27,7 @@ from export.fused import FUSED_KINDS, export_fused
 from export.repository import (
     CPU_MODEL_FILE,
     CPU_OUTPUTS_MODEL_FILE,
+    CUDA_OUTPUTS_MODEL_FILE,
     MODEL_FILE,
     NAME_RULE,
     ModelConfig,
@@ -51,8 +52,8 @@ def _next_version(model_dir: Path) -> int:
 
 def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
                  checkpoint: Path | None = None, seed: int = 0) -> ModelConfig:
-    """Publish `<repository>/<name>/<version>/model.onnx` (and model.cpu.onnx) and `config.json`;
-    return the config. Both graphs pass the same validation against the module before anything is published.
+    """Publish `<repository>/<name>/<version>/model.onnx` (and the fused graphs) and `config.json`;
+    return the config. Every graph passes the same validation against the module before anything is published.
 
     Without a checkpoint the weights are seeded (`seed`), as for the default repository.
     """
@@ -74,18 +75,23 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
         opset = export_onnx(module, kind, hp, model_path)
         validate(module, kind, hp, model_path)
         cpu_path, outputs_path = staging / CPU_MODEL_FILE, staging / CPU_OUTPUTS_MODEL_FILE
+        cuda_path = staging / CUDA_OUTPUTS_MODEL_FILE
         cpu_opset = export_fused(module, kind, hp, cpu_path) if kind in FUSED_KINDS else None
         if cpu_opset is not None:
             validate(module, kind, hp, cpu_path)
             export_fused(module, kind, hp, outputs_path, weights=False)
             validate(module, kind, hp, outputs_path, weights=False)
+            export_fused(module, kind, hp, cuda_path, weights=False, cuda=True)
+            validate(module, kind, hp, cuda_path, weights=False)  # on the CPU execution provider: it runs there
         model_dir = repository / name
         model_dir.mkdir(exist_ok=True)
         version = _next_version(model_dir)
         variants = {} if cpu_opset is None else {
             "cpu": {"file": f"{version}/{CPU_MODEL_FILE}", "sha256": sha256_of(cpu_path), "opset": cpu_opset},
             "cpu_outputs": {"file": f"{version}/{CPU_OUTPUTS_MODEL_FILE}", "sha256": sha256_of(outputs_path),
-                            "opset": cpu_opset}}
+                            "opset": cpu_opset},
+            "cuda_outputs": {"file": f"{version}/{CUDA_OUTPUTS_MODEL_FILE}", "sha256": sha256_of(cuda_path),
+                             "opset": cpu_opset}}
         config = ModelConfig.build(
             name=name, kind=kind, version=version, hp=hp, opset=opset, sha256=sha256_of(model_path),
             versions={"torch": torch.__version__, "onnx": onnx.__version__}, variants=variants,

@@ -9,13 +9,16 @@ Layout::
     <repository>/<name>/<version>/model.cpu.onnx  dot_product, multi_head, self_attention: the same model as
                                                   ONNX's `Attention` operator (export.fused), for the CPU only
     <repository>/<name>/<version>/model.cpu.outputs.onnx  the same, without attention_weights
+    <repository>/<name>/<version>/model.cuda.outputs.onnx  the same model without attention_weights as the
+                                                  CUDA execution provider's fused kernels take it
 
 config.json names each file with its sha256: `model_file` and `sha256`, and per variant
 `variants[variant] = {"file", "sha256", "opset"}` (a repository written before variants has none, and
 every provider runs model.onnx). The service runs `variants["cpu"]` where its sessions run on ONNX
 Runtime's CPU execution provider, and model.onnx elsewhere (`ModelConfig.graph_for`); beside the CPU
 graph, `variants["cpu_outputs"]` for batches that want no weights (`ModelConfig.graph_without_weights`;
-versions exported before it have none, and run the CPU graph for every batch).
+versions exported before it have none, and run the CPU graph for every batch); beside model.onnx on CUDA,
+`variants["cuda_outputs"]` for the same batches (versions exported before it run model.onnx for them).
 
 Input and output names, dtypes and dynamic axes are declared once here, as data (`signature`),
 and used by the exporter (dynamic shapes), the validator and the service (start-up checks).
@@ -37,6 +40,8 @@ import numpy as np
 __all__ = [
     "CONFIG_FILE",
     "CPU_MODEL_FILE",
+    "CPU_OUTPUTS_MODEL_FILE",
+    "CUDA_OUTPUTS_MODEL_FILE",
     "NAME_RULE",
     "KINDS",
     "MODEL_FILE",
@@ -63,6 +68,8 @@ MODEL_FILE = "model.onnx"
 CPU_MODEL_FILE = "model.cpu.onnx"
 # The CPU graph without the attention_weights output, for batches that return none (`return_weights: false`).
 CPU_OUTPUTS_MODEL_FILE = "model.cpu.outputs.onnx"
+# The graph a session on CUDA runs for batches that return no weights: `Attention` on a fused kernel (export.fused).
+CUDA_OUTPUTS_MODEL_FILE = "model.cuda.outputs.onnx"
 KINDS = ("dot_product", "additive", "multi_head", "self_attention", "masked_softmax", "positional_encoding")
 
 # The book's configurations: the default repository and the defaults of `--kind`.
@@ -244,7 +251,7 @@ class ModelConfig:
     versions: dict[str, str] = field(default_factory=dict)  # torch, onnx, ... that made it
     model_file: str = ""
     # Graphs of the same model for one execution provider: {"cpu": {"file", "sha256", "opset"}}, and
-    # "cpu_outputs", the CPU graph without attention_weights.
+    # "cpu_outputs", the CPU graph without attention_weights; "cuda_outputs", CUDA's graph without them.
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -274,9 +281,10 @@ class ModelConfig:
         variant = self._variant("cpu") if cpu else None
         return (self.model_file, self.sha256, self.opset) if variant is None else variant
 
-    def graph_without_weights(self) -> tuple[str, str, int] | None:
-        """(file, sha256, opset) of the CPU graph without attention_weights, where there is one."""
-        return self._variant("cpu_outputs")
+    def graph_without_weights(self, cpu: bool = True) -> tuple[str, str, int] | None:
+        """(file, sha256, opset) of the graph without attention_weights for the CPU execution provider (or,
+        with `cpu` False, for CUDA), where there is one."""
+        return self._variant("cpu_outputs" if cpu else "cuda_outputs")
 
     def _variant(self, name: str) -> tuple[str, str, int] | None:
         variant = self.variants.get(name)

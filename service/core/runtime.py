@@ -6,7 +6,10 @@ dtypes and shapes) before it is used, and warmed up before the service reports r
 Which file: a session on the CPU execution provider runs the model's CPU graph where config.json has
 one (`variants["cpu"]`: ONNX's `Attention` operator, export.fused), every other session model.onnx.
 ONNX Runtime's CUDA kernel of `Attention` cannot return the weights (NOT_IMPLEMENTED), so the CPU graph
-is never offered to CUDA: a session is opened on it only when the CPU alone runs it.
+is never offered to CUDA: a session is opened on it only when the CPU alone runs it. Beside it, the graph
+without the weights of the provider that runs, where config.json names one, for the batches that return
+none: `variants["cpu_outputs"]` on the CPU, `variants["cuda_outputs"]` on CUDA (its `Attention` on CUDA's
+fused kernels, which write no score matrix).
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ class LoadedModel:
     model_file: str = ""
     sha256: str = ""
     opset: int = 0
-    # Beside the CPU graph, its twin without attention_weights (config.json's variants["cpu_outputs"], where
-    # the version has one): what a batch that returns no weights runs (`run`).
+    # Beside the graph, the one without attention_weights for the same provider (config.json's
+    # variants["cpu_outputs"] or ["cuda_outputs"], where the version has one): what a batch that returns no
+    # weights runs (`run`).
     session_without_weights: ort.InferenceSession | None = None
     model_file_without_weights: str = ""  # its file, relative to the model's folder
     # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
@@ -353,17 +357,20 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
                version: int | None = None) -> LoadedModel:
     """A session for the model's newest version (or `version`), checked against its config.json: on the
     CPU graph where only the CPU execution provider is asked for, or where CUDA was asked for and ONNX
-    Runtime fell back to the CPU; on model.onnx otherwise. Every file config.json names must have the
-    sha256 it names, the one not served too: a version is served whole or not at all. Errors name files
-    relative to the repository: they reach clients (GET /models, the load route)."""
+    Runtime fell back to the CPU; on model.onnx otherwise; beside it, one on the graph without the weights
+    for that provider, where there is one. Every file config.json names must have the sha256 it names, the
+    ones not served too: a version is served whole or not at all. Errors name files relative to the
+    repository: they reach clients (GET /models, the load route)."""
     shown = f"{model_dir.name}/{version}" if version is not None else model_dir.name
     try:
         config = read_config(model_dir, version)
         portable, cpu_graph = config.graph_for(cpu=False), config.graph_for(cpu=True)
         without_weights = config.graph_without_weights() if cpu_graph != portable else None
+        cuda_without_weights = config.graph_without_weights(cpu=False)
     except Exception as e:
         raise StartupError(f"model {shown}: unreadable config.json: {_without_paths(str(e), model_dir)}") from e
-    for graph in dict.fromkeys(g for g in (portable, cpu_graph, without_weights) if g is not None):
+    for graph in dict.fromkeys(g for g in (portable, cpu_graph, without_weights, cuda_without_weights)
+                               if g is not None):
         _check_file(model_dir, config, graph)
     # A provider given with options is a tuple (CUDA's): only a plain "CPUExecutionProvider" is the CPU.
     graph = cpu_graph if all(p == CPU for p in providers) else portable
@@ -380,10 +387,16 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     model = LoadedModel(config=config, session=session, provider=provider, cuda_failure=cuda_failure,
                         model_file=graph[0], sha256=graph[1], opset=graph[2])
     _check_signature(model)
-    if graph == cpu_graph and without_weights is not None:
-        model.session_without_weights, _ = _open(model_dir, config, without_weights, intra_op_threads, [CPU])
-        model.model_file_without_weights = without_weights[0]
-        _check_signature(model, model.session_without_weights)
+    # On the CPU the session runs the CPU graph (or model.onnx, where there is none: then no graph without weights).
+    outputs_graph = cuda_without_weights if provider == CUDA else without_weights
+    if outputs_graph is not None:
+        outputs_session, _ = _open(model_dir, config, outputs_graph, intra_op_threads,
+                                   providers if provider == CUDA else [CPU])
+        if outputs_session.get_providers()[0] != provider:
+            raise StartupError(f"model {config.name}: {model_dir.name}/{outputs_graph[0]} does not load on "
+                               f"{provider}, which runs {model_dir.name}/{graph[0]}")
+        model.session_without_weights, model.model_file_without_weights = outputs_session, outputs_graph[0]
+        _check_signature(model, outputs_session)
     return model
 
 

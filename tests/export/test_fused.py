@@ -1,6 +1,8 @@
 """The CPU graph (export.fused, `model.cpu.onnx`): one `Attention` node, written and validated beside
 model.onnx, named in config.json, and the same numbers as the PyTorch module, the book's code and the
-plain-math oracle, valid lengths 0 and full included."""
+plain-math oracle, valid lengths 0 and full included. The same of its twin without the weights
+(`model.cpu.outputs.onnx`) and of CUDA's graph without them (`model.cuda.outputs.onnx`: heads padded to a
+multiple of 8), both run here on ONNX Runtime's CPU execution provider."""
 
 import json
 
@@ -13,7 +15,7 @@ import torch
 from export.build import build_module, make_inputs
 from export.cli import main
 from export.errors import ExportError, ValidationError
-from export.fused import FUSED_KINDS, fused_graph
+from export.fused import FUSED_KINDS, _pad_heads, fused_graph, padded_head_size
 from export.repository import (
     CONFIG_FILE,
     CPU_GRAPH_LOG_SEVERITY,
@@ -275,3 +277,168 @@ def test_the_cpu_graph_without_weights_is_the_cpu_graph_less_its_weights(reposit
         feed["valid_lens"] = valid_lens_2d(lens, case.batch, case.n_q, case.n_k)
         (alone,) = without.run(["outputs"], feed)
         np.testing.assert_array_equal(alone, whole.run(["outputs"], feed)[0], err_msg=str(case))
+
+
+def _cuda_path(repository, kind):
+    return repository / kind / read_config(repository / kind).variants["cuda_outputs"]["file"]
+
+
+def _attention_nodes(model):
+    """The If's branches by name, each with its one `Attention` node."""
+    choice = next(node for node in model.graph.node if node.op_type == "If")
+    return {a.name: next(n for n in a.g.node if n.op_type == "Attention") for a in choice.attribute}
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_the_cuda_graph_is_named_in_config_and_pads_its_heads_to_a_multiple_of_8(repository, kind):
+    """model.cuda.outputs.onnx: in config.json with its sha256; `outputs` alone; in each branch one `Attention`
+    node with Y alone, no qk_matmul_output_mode, nonpad_kv_seqlen in one branch and the mask in the other;
+    the book's multi-head heads of 20 padded to 24 (zero columns of W_q, W_k, W_v, zero rows of W_o) with
+    the scale of 20; a Where after the If for the rows of valid length 0; the signature config.json's."""
+    config = read_config(repository / kind)
+    variant = config.variants["cuda_outputs"]
+    path = _cuda_path(repository, kind)
+    assert variant == {"file": "1/model.cuda.outputs.onnx", "sha256": sha256_of(path), "opset": 24}
+    assert config.graph_without_weights(cpu=False) == ("1/model.cuda.outputs.onnx", variant["sha256"], 24)
+    assert config.graph_without_weights() == config.graph_without_weights(cpu=True) != variant
+    model = onnx.load(str(path))
+    assert [o.name for o in model.graph.output] == ["outputs"]
+    nodes = _attention_nodes(model)
+    for branch, mask, lengths in (("then_branch", "", "kv_lens"), ("else_branch", "mask", None)):
+        attention = nodes[branch]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+        assert list(attention.output) == [attention.output[0]] and "qk_matmul_output_mode" not in attrs, branch
+        assert attention.input[3] == mask and (attention.input[6:] or [None])[0] == lengths, branch
+        if kind == "dot_product":
+            assert attrs == {"q_num_heads": 1, "kv_num_heads": 1}  # its head size is the caller's d: the default scale
+        else:
+            assert attrs == {"q_num_heads": 5, "kv_num_heads": 5, "scale": pytest.approx(1 / np.sqrt(20))}
+    makers = {output: node for node in model.graph.node for output in node.output}
+    assert makers["attended"].op_type == "Where" and makers[makers["attended"].input[1]].op_type == "If"
+    if kind != "dot_product":
+        weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+        torch.manual_seed(0)
+        module = build_module(kind, default_hyperparameters(kind))
+        for name in ("W_q", "W_k", "W_v"):
+            padded, real = weights[f"{name}.weight"], getattr(module, name).weight.detach().numpy().T
+            assert padded.shape == (100, 120)
+            heads = padded.reshape(100, 5, 24)
+            assert np.array_equal(heads[:, :, :20], real.reshape(100, 5, 20)) and not heads[:, :, 20:].any()
+        padded = weights["W_o.weight"].reshape(5, 24, 100)
+        assert np.array_equal(padded[:, :20], module.W_o.weight.detach().numpy().T.reshape(5, 20, 100))
+        assert not padded[:, 20:].any()
+    session = _session(path)
+    assert [(i.name, i.shape) for i in session.get_inputs()] == [(s["name"], s["shape"]) for s in config.inputs]
+    assert [(o.name, o.shape) for o in session.get_outputs()] == [(s["name"], s["shape"]) for s in config.outputs
+                                                                   if s["name"] == "outputs"]
+
+
+def test_heads_are_padded_each_after_its_own_entries():
+    assert [padded_head_size(h) for h in (1, 8, 20, 64, 100)] == [8, 8, 24, 64, 104]
+    columns = np.arange(12, dtype=np.float32).reshape(2, 6)  # 2 rows, 3 heads of 2
+    assert np.array_equal(_pad_heads(columns, 3, 2, 4, axis=1),
+                          [[0, 1, 0, 0, 2, 3, 0, 0, 4, 5, 0, 0], [6, 7, 0, 0, 8, 9, 0, 0, 10, 11, 0, 0]])
+    assert np.array_equal(_pad_heads(columns.T, 3, 2, 4, axis=0), _pad_heads(columns, 3, 2, 4, axis=1).T)
+    assert np.array_equal(_pad_heads(np.array([1.0, 2.0]), 2, 1, 3, axis=0), [1, 0, 0, 2, 0, 0])
+    with pytest.raises(ExportError, match="no attention_weights output"):
+        hp = default_hyperparameters("multi_head")
+        fused_graph("multi_head", build_module("multi_head", hp), hp, weights=True, cuda=True)
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_the_cuda_graph_matches_pytorch_and_the_cpu_graph_on_many_shapes(repository, kind):
+    """On the CPU execution provider, which runs it too: the module's outputs (1e-5, the validator's
+    tolerance) on the sweep and more, and the CPU graph's outputs but for the rounding of the padded heads'
+    GEMMs."""
+    hp = default_hyperparameters(kind)
+    torch.manual_seed(0)
+    module = build_module(kind, hp)
+    cuda, cpu = _session(_cuda_path(repository, kind)), _session(repository / kind / "1" / "model.cpu.outputs.onnx")
+    inputs, _ = signature(kind, hp)
+    for seed, case in enumerate(sweep(kind, hp) + _extra_cases(kind)):
+        run_case(module, cuda, kind, hp, case, seed=seed, weights=False)  # raises on any disagreement (1e-5)
+        sizes = {"batch": case.batch, "n_q": case.n_q, "n_k": case.n_k, "n": case.n_q, "d": case.d,
+                 "value_size": case.value_size}
+        feed = {spec.name: t.numpy() for spec, t in zip(inputs, make_inputs(kind, hp, sizes, seed), strict=True)}
+        feed["valid_lens"] = valid_lens_2d(_valid_lens(case, case.n_k, np.random.default_rng(seed)), case.batch,
+                                           case.n_q, case.n_k)
+        (got,), (want,) = cuda.run(["outputs"], feed), cpu.run(["outputs"], feed)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(case))
+        if kind == "dot_product":  # the same nodes but the Where, which leaves the CPU's zeros as they are
+            np.testing.assert_array_equal(got, want, err_msg=str(case))
+
+
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_the_cuda_graph_is_the_oracle(repository, form):
+    rng = np.random.default_rng(8)
+    torch.manual_seed(0)
+    mha = build_module("multi_head", default_hyperparameters("multi_head"))
+    W = [getattr(mha, name).weight.detach().double().numpy() for name in ("W_q", "W_k", "W_v", "W_o")]
+    for kind, batch, n_q, n_k, d, v in (("dot_product", 3, 6, 17, 8, 5), ("multi_head", 2, 5, 12, 100, 100)):
+        Q, K, V = (rng.standard_normal(shape, dtype=np.float32)
+                   for shape in ((batch, n_q, d), (batch, n_k, d), (batch, n_k, v)))
+        lens = _lens(form, batch, n_q, n_k, rng)
+        (out,) = _session(_cuda_path(repository, kind)).run(None, {"queries": Q, "keys": K, "values": V,
+                                                                   "valid_lens": _graph_lens(lens, n_q)})
+        args = [a.astype(np.float64) for a in (Q, K, V)]
+        want, _ = oracle.dot_product(*args, lens) if kind == "dot_product" else oracle.multi_head(*W, 5, *args, lens)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=kind)
+        zero = _graph_lens(lens, n_q) == 0
+        assert zero.any() and np.all(out[zero] == 0), kind  # attends to nothing: zeros
+
+
+def test_a_books_checkpoint_with_bias_gives_the_books_numbers_on_the_cuda_graph(tmp_path):
+    """Heads of 4 (12 / 3) padded to 8: the bias of W_q, W_k and W_v padded with them, W_o's not."""
+    torch.manual_seed(3)
+    theirs = book.MultiHeadAttention(6, 4, 5, 12, 3, 0.0, bias=True).eval()
+    torch.save(theirs.state_dict(), tmp_path / "mha.pt")
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", "multi_head", "--name", "mha", "--checkpoint",
+                 str(tmp_path / "mha.pt"), "--num-heads", "3"]) == 0
+    Q, K, V = torch.randn(2, 5, 4), torch.randn(2, 8, 6), torch.randn(2, 8, 5)
+    model = onnx.load(str(_cuda_path(repo, "mha")))
+    assert {i.name: list(i.dims) for i in model.graph.initializer if i.name.startswith("W_")} == {
+        "W_q.weight": [4, 24], "W_q.bias": [24], "W_k.weight": [6, 24], "W_k.bias": [24], "W_v.weight": [5, 24],
+        "W_v.bias": [24], "W_o.weight": [24, 12], "W_o.bias": [12]}
+    for lens in (torch.tensor([[1, 2, 3, 8, 9], [4, 5, 6, 7, 8]]), torch.tensor([[3] * 5, [8] * 5])):
+        (out,) = _session(_cuda_path(repo, "mha")).run(None, {
+            "queries": Q.numpy(), "keys": K.numpy(), "values": V.numpy(), "valid_lens": lens.numpy()})
+        with torch.no_grad():
+            np.testing.assert_allclose(out, theirs(Q, K, V, lens).numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_the_cuda_graph_takes_lengths_one_a_row_as_nonpad_kv_seqlen(repository, kind, tmp_path):
+    """As the CPU graph: each row one length runs the branch of nonpad_kv_seqlen, no mask built (on CUDA
+    the case its fused kernels take with no score matrix and no bias); lengths per query, the mask."""
+    rng = np.random.default_rng(7)
+    batch, n = 3, 6
+    f = 8 if kind == "dot_product" else 100
+    feed = {name: rng.standard_normal((batch, n, f), dtype=np.float32) for name in ("queries", "keys", "values")}
+    if kind == "self_attention":
+        feed = {"queries": feed["queries"]}
+    per_example = np.array([[0] * n, [n] * n, [4] * n])
+    per_query = per_example.copy()
+    per_query[2, 5] = 3
+    for lens, ran, skipped in ((per_example, "y_by_length", "y_by_mask"), (per_query, "y_by_mask", "y_by_length")):
+        nodes = _nodes_run(_cuda_path(repository, kind), {**feed, "valid_lens": lens}, tmp_path)
+        assert ran in nodes and skipped not in nodes and ("mask" in nodes) == (ran == "y_by_mask"), lens
+        assert "attended" in nodes  # the Where of the rows of valid length 0
+
+
+def test_a_cuda_graph_that_fails_validation_publishes_nothing(tmp_path, monkeypatch):
+    import export.publish as publish
+
+    real = publish.export_fused
+
+    def wrong_on_cuda(module, kind, hp, path, weights=True, cuda=False):  # another seed's weights, CUDA's graph only
+        if cuda:
+            torch.manual_seed(1)
+            module = build_module(kind, hp)
+        return real(module, kind, hp, path, weights, cuda)
+
+    monkeypatch.setattr(publish, "export_fused", wrong_on_cuda)
+    repo = tmp_path / "repo"
+    with pytest.raises(ValidationError, match="outputs differs from PyTorch"):
+        publish.export_model(repo, "mha", "multi_head", default_hyperparameters("multi_head"))
+    assert sorted(p.name for p in repo.iterdir()) == []

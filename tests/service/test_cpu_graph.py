@@ -3,7 +3,9 @@ execution provider runs the model, said by GET /models/{name}, the oracle's numb
 1-D and 2-D valid lengths (0 and full among them), checked at load as model.onnx is (a broken one is
 refused with its reason), loaded again with a new version; a repository without variants still serves.
 Its twin without the weights (variants["cpu_outputs"], model.cpu.outputs.onnx) answers what returns no
-weights, with the same outputs, and is checked at load as the others."""
+weights, with the same outputs, and is checked at load as the others; so is CUDA's graph without them
+(variants["cuda_outputs"], model.cuda.outputs.onnx), which the CPU does not serve but runs, to the CPU
+graph's numbers."""
 
 import json
 import shutil
@@ -167,6 +169,22 @@ def _outputs_graph_missing(repo):
     (repo / "dot_product" / "1" / "model.cpu.outputs.onnx").unlink()
 
 
+def _cuda_graph_wrong_sha(repo):
+    # Not served on the CPU, but a version is served whole or not at all.
+    path = repo / "dot_product" / "1" / "model.cuda.outputs.onnx"
+    path.write_bytes(path.read_bytes() + b"\x00")
+
+
+def _cuda_graph_missing(repo):
+    (repo / "dot_product" / "1" / "model.cuda.outputs.onnx").unlink()
+
+
+def _cuda_graph_malformed(repo):
+    config = _config(repo, "dot_product")
+    config["variants"]["cuda_outputs"]["opset"] = "24"
+    _write_config(repo, "dot_product", config)
+
+
 def _unused_model_onnx_wrong_sha(repo):
     # On the CPU model.onnx is not served, but a version is served whole or not at all.
     path = repo / "dot_product" / "1" / "model.onnx"
@@ -183,6 +201,9 @@ BREAKAGES = [
     (_outputs_graph_wrong_sha, "model dot_product: sha256 of dot_product/1/model.cpu.outputs.onnx is [0-9a-f]{64}, "),
     (_outputs_graph_with_the_weights, r"model dot_product: the graph's inputs/outputs .*'attention_weights'.* do not"),
     (_outputs_graph_missing, "model dot_product: dot_product/1/model.cpu.outputs.onnx is missing"),
+    (_cuda_graph_wrong_sha, "model dot_product: sha256 of dot_product/1/model.cuda.outputs.onnx is [0-9a-f]{64}, "),
+    (_cuda_graph_missing, "model dot_product: dot_product/1/model.cuda.outputs.onnx is missing"),
+    (_cuda_graph_malformed, r"model dot_product: unreadable config.json: variants\[\"cuda_outputs\"\] must be"),
 ]
 
 
@@ -281,3 +302,34 @@ def test_a_batch_without_weights_runs_the_graph_without_them(repo):
     del config["variants"]["cpu_outputs"]  # as exported before it
     _write_config(repo, "dot_product", config)
     assert Registry.load(repo, "cpu", 1).get("dot_product").session_without_weights is None
+
+
+def test_the_cuda_graph_on_the_cpu_gives_the_served_graphs_outputs(repo):
+    """model.cuda.outputs.onnx, on the CPU execution provider (where ONNX Runtime runs it too), as a CUDA
+    session runs it beside model.onnx: the outputs of the graph the CPU serves for the same batch, lengths
+    per example and per query, rows of valid length 0 zeros; its signature is config.json's but the weights."""
+    import onnxruntime as ort
+
+    from service.core.runtime import _check_signature
+
+    registry = Registry.load(repo, "cpu", 1)
+    rng = np.random.default_rng(9)
+    for name in FUSED:
+        model = registry.get(name)
+        assert model.model_file_without_weights == "1/model.cpu.outputs.onnx"
+        cuda_file = model.config.graph_without_weights(cpu=False)[0]
+        assert cuda_file == "1/model.cuda.outputs.onnx" and model.config.variants["cuda_outputs"]["sha256"] == \
+            sha256_of(repo / name / cuda_file)
+        session = ort.InferenceSession(str(repo / name / cuda_file), providers=[CPU])
+        _check_signature(model, session)  # what the load checks on CUDA
+        f = 6 if name == "dot_product" else 100
+        for lens in (np.array([[2] * 5, [0] * 5, [7] * 5]), np.array([[2, 3, 0, 7, 1], [0] * 5, [7] * 5])):
+            feed = {"queries": rng.standard_normal((3, 5, f), dtype=np.float32), "valid_lens": lens}
+            if name != "self_attention":
+                feed["keys"] = rng.standard_normal((3, 7, f), dtype=np.float32)
+                feed["values"] = rng.standard_normal((3, 7, 4 if name == "dot_product" else f), dtype=np.float32)
+            else:
+                feed["valid_lens"] = np.minimum(lens, 5)
+            (got,) = session.run(["outputs"], feed)
+            np.testing.assert_allclose(got, model.run(feed, weights=False)["outputs"], rtol=1e-5, atol=1e-6)
+            assert np.all(got[feed["valid_lens"] == 0] == 0)
