@@ -18,11 +18,14 @@ LINT := $(PY) -m ruff check models export service tests bench scripts docs/examp
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
 	@$(PYTHON) scripts/lock.py check
 
+# Then the project itself, editable and without dependencies (they came from the lock): its `attend`
+# command lands in $(VENV)/bin.
 $(VENV)/.installed: requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/lock.py requirements $(EXTRAS) >$(VENV)/requirements.txt
 	$(PY) -m pip install -q -c requirements.lock -r $(VENV)/requirements.txt \
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
 install: check-lock $(VENV)/.installed  ## the venv: runtime, exporter, tests and locust, at the locked versions

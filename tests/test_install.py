@@ -1,10 +1,14 @@
 """The Makefile's installs, read with `make -n` (nothing is installed): the runtime-only venv gets the
-project's runtime dependencies and no extra, the GPU path adds the gpu extra."""
+project's runtime dependencies and no extra, the GPU path adds the gpu extra, and every venv gets the project
+itself (its `attend` command)."""
 
 import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
+
+import pytest
 
 from tests.server import ROOT
 
@@ -37,3 +41,22 @@ def test_install_runtime_installs_no_extra_into_its_own_venv():
 def test_the_gpu_extra_joins_the_venv():
     assert "/nonexistent/venv/bin/python scripts/lock.py requirements gpu >" in dry_run("install-gpu")
     assert "scripts/lock.py requirements gpu export dev load >" in dry_run("install", "EXTRAS=gpu export dev load")
+
+
+def test_install_adds_the_project_itself_after_its_locked_dependencies():
+    """`make serve`'s venv has the `attend` command: the project is installed too (editable, no dependencies)."""
+    out = dry_run("install")
+    step = "/nonexistent/venv/bin/python -m pip install -q --no-deps -e ."
+    assert step in out
+    assert out.index("-r /nonexistent/venv/requirements.txt") < out.index(step)
+
+
+def test_the_venv_that_runs_the_suite_has_the_attend_command():
+    """`make test` installs first, so `attend` is beside the suite's Python and runs."""
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("not run from a virtual environment (make test runs it from .venv)")
+    attend = Path(sys.executable).parent / "attend"
+    assert attend.exists(), f"{attend} is missing: `make install` installs the project (pip install --no-deps -e .)"
+    result = subprocess.run([str(attend), "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "ATTEND_PORT=8000" in result.stdout
