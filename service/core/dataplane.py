@@ -25,7 +25,6 @@ framework.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import sys
 import time
@@ -44,9 +43,10 @@ from service.core.errors import (
     InvalidHeader,
     NotReady,
     ServiceError,
-    Unauthorized,
 )
 from service.core.exchange import Exchange, serve
+from service.core.keys import check_api_key
+from service.core.load import InFlight, Total
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
@@ -138,33 +138,6 @@ class _Within:
             raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
 
 
-class _Total:
-    """Several load hints as one: the sum of their sizes (the server's and each transport's)."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: list[Sized]):
-        self.parts = parts
-
-    def __len__(self) -> int:
-        return sum(map(len, self.parts))
-
-
-class _InFlight:
-    """The load hint of a server that gives none (plain uvicorn, a Ray replica, a test client): the
-    requests in flight in this dataplane are those in progress, and their clients the busy ones. With
-    two in flight and both queued there is nobody else to wait for (without a hint the first of a
-    batch would wait ATTEND_MAX_BATCH_WAIT_US at least), and a request alone runs at once."""
-
-    __slots__ = ("dataplane",)
-
-    def __init__(self, dataplane: Dataplane):
-        self.dataplane = dataplane
-
-    def __len__(self) -> int:
-        return self.dataplane.in_flight
-
-
 class Dataplane:
     """The core of one app: see the module's docstring. Built with the app, opened by its lifespan."""
 
@@ -189,7 +162,7 @@ class Dataplane:
         self.served_since_trim = 0  # requests since the heap was last trimmed (_trim_memory_when_idle)
         # What the server says of its load (set_load_hint): the requests in progress in the server: a
         # request that is the only one has nobody to wait for to share a batch.
-        self.requests_in_progress: Sized = _InFlight(self)
+        self.requests_in_progress: Sized = InFlight(self)
         self.transports: list[Transport] = []  # added by the entry point before open()
         self._server_hint: tuple[Sized, Sized] | None = None
         self._transport_hints: list[tuple[Sized, Sized]] = []
@@ -224,7 +197,7 @@ class Dataplane:
         self.scheduler.spawn(_trim_memory_when_idle(self))
         if self.metrics.sample():  # with workers: what a scrape reads, written once a second
             self.scheduler.spawn(_sample_metrics(self.metrics))
-        in_flight = _InFlight(self)  # until the server says more (set_load_hint)
+        in_flight = InFlight(self)  # until the server says more (set_load_hint)
         self.set_load_hint(in_flight, in_flight)
         self.serving = True
         try:
@@ -285,12 +258,12 @@ class Dataplane:
     def _apply_load_hints(self) -> None:
         server = self._server_hint
         hints = [server] if server is not None else []
-        if server is None or not isinstance(server[0], _InFlight):  # _InFlight counts every transport's already
+        if server is None or not isinstance(server[0], InFlight):  # InFlight counts every transport's already
             hints += self._transport_hints
         if len(hints) == 1:
             self.requests_in_progress, busy = hints[0]
         else:
-            self.requests_in_progress, busy = _Total([h[0] for h in hints]), _Total([h[1] for h in hints])
+            self.requests_in_progress, busy = Total([h[0] for h in hints]), Total([h[1] for h in hints])
         self.scheduler.busy_clients = busy
 
     def check_ready(self) -> None:
@@ -437,22 +410,6 @@ class Dataplane:
         if cost is not None:
             cost.hold(request.held + job.cost, "this request's answer")
         return await self.scheduler.submit(job, alone=len(self.requests_in_progress) <= 1)
-
-
-def check_api_key(header: bytes | None, keys: tuple[bytes, ...]) -> None:
-    """Raises Unauthorized unless `header` (the Authorization header's value) is `Bearer <one of keys>`."""
-    scheme, _, token = (header or b"").partition(b" ")
-    if scheme.lower() != b"bearer" or not token.strip():
-        raise Unauthorized("this endpoint needs an API key: Authorization: Bearer <key>", field="Authorization",
-                           headers={"WWW-Authenticate": "Bearer"})
-    given = token.strip()
-    # Compare with every key, no early exit: the time does not tell which key (or how much) matched.
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, key)
-    if not matched:
-        raise Unauthorized("the API key is not valid", field="Authorization",
-                           headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
 async def _sample_metrics(metrics: Metrics, every_s: float = 1.0) -> None:

@@ -37,9 +37,10 @@ import grpc
 
 from service.config import Settings
 from service.core.cost import Cost
-from service.core.dataplane import Dataplane, check_api_key
+from service.core.dataplane import Dataplane
 from service.core.errors import ClientGone, DeadlineExceeded, ServiceError
 from service.core.exchange import Answer
+from service.core.keys import check_api_key
 from service.core.logs import log_access, new_request_id
 from service.core.request import find_model
 from service.core.runtime import StartupError

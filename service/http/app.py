@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import Settings, get_settings
-from service.core.dataplane import Dataplane, check_api_key
+from service.core.dataplane import Dataplane
 from service.core.errors import (
     HTTPError,
     InvalidRequest,
@@ -27,6 +27,7 @@ from service.core.errors import (
     RouteNotFound,
     ServiceError,
 )
+from service.core.keys import check_api_key
 from service.core.logs import flush_logs
 from service.core.metrics import Metrics
 from service.core.runtime import Registry
