@@ -1,19 +1,24 @@
 """The Open Inference Protocol over gRPC with Triton's client (tritonclient.grpc): the book's toy
 dot-product request (README, "Use") as ModelInfer's inputs, sent as raw_input_contents.
 
-    python docs/examples/v2_grpc.py [HOST:PORT]        (127.0.0.1:8001, ATTEND_GRPC_PORT's default)
+    ATTEND_URL=http://127.0.0.1:8000 python docs/examples/v2_grpc.py
 
+The address is the one every example reads: the host of ATTEND_URL (default http://127.0.0.1:8000).
+The port is the service's gRPC port, ATTEND_GRPC_PORT (default 8001). A HOST:PORT argument overrides both.
+ATTEND_API_KEY, where the service has ATTEND_API_KEYS, is sent as `authorization: Bearer <key>` metadata.
 tests/service/test_examples.py runs this file against the real service and checks what it prints.
 """
 
 import json
 import os
 import sys
+from urllib.parse import urlsplit
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-ADDRESS = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:8001"
+HOST = urlsplit(os.environ.get("ATTEND_URL", "http://127.0.0.1:8000")).hostname
+ADDRESS = sys.argv[1] if len(sys.argv) > 1 else f"{HOST}:{os.environ.get('ATTEND_GRPC_PORT', '8001')}"
 KEY = os.environ.get("ATTEND_API_KEY")
 
 client = grpcclient.InferenceServerClient(ADDRESS)  # host:port, no scheme

@@ -36,8 +36,8 @@ def url(service):
     return service[0]
 
 
-def run(args: list[str], url: str, key: str | None = KEY) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ATTEND_API_KEY"} | {"ATTEND_URL": url}
+def run(args: list[str], url: str, key: str | None = KEY, **more: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ATTEND_API_KEY"} | {"ATTEND_URL": url} | more
     if key is not None:
         env["ATTEND_API_KEY"] = key
     command = ["bash"] if args[0].endswith(".sh") else [sys.executable]
@@ -101,16 +101,23 @@ def test_tritonclient_example_prints_the_book_answer(url):
 
 
 def test_grpc_example_prints_the_book_answer(service):
+    """The address as every example takes it: ATTEND_URL's host, and the service's ATTEND_GRPC_PORT."""
     url, address = service
-    result = run(["v2_grpc.py", address], url)
+    port = address.rsplit(":", 1)[1]
+    result = run(["v2_grpc.py"], url, ATTEND_GRPC_PORT=port)
     assert result.returncode == 0, result.stderr
     lines = printed(result.stdout)
     assert lines["ready"] == "True"
     assert lines["model"].split() == ["dot_product", "version:", "1", "id:", "toy-1"]
     assert_book_answer(json.loads(lines["outputs"]), json.loads(lines["attention_weights"]))
 
-    refused = run(["v2_grpc.py", address], url, key=None)  # no key: UNAUTHENTICATED, tritonclient's exception
+    refused = run(["v2_grpc.py"], url, key=None, ATTEND_GRPC_PORT=port)  # no key: UNAUTHENTICATED
     assert refused.returncode == 1 and "StatusCode.UNAUTHENTICATED" in refused.stderr
+    # ATTEND_URL's host is the one asked: a host with no service there, and the call fails naming it.
+    elsewhere = run(["v2_grpc.py"], "http://127.0.0.2:1", ATTEND_GRPC_PORT=str(free_port()))
+    assert elsewhere.returncode == 1 and "127.0.0.2" in elsewhere.stderr
+    # An argument overrides both.
+    assert run(["v2_grpc.py", address], "http://127.0.0.2:1").returncode == 0
 
 
 def test_curl_example_prints_the_metadata_and_the_book_answer(url):
