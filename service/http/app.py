@@ -47,8 +47,8 @@ _ASSETS_URL = "/docs-assets"
 class AttendApp(FastAPI):
     """FastAPI, with the inference routes (POST /attend, POST /v2/models/.../infer) handed to their
     endpoints before FastAPI's own request handling (routing, middleware, exception handlers,
-    telemetry hooks): ~45 us a request that the book's toy request (~20 us of attention) would
-    otherwise pay. Everything else goes through FastAPI as usual."""
+    telemetry hooks). That handling costs a small request more than its attention does (`python
+    bench/asgi_overhead.py`). Everything else goes through FastAPI as usual."""
 
     inference: dict[str, ASGIApp]  # service.http.endpoint.inference_route's names -> their endpoints
 
@@ -66,11 +66,23 @@ async def _lifespan(app: AttendApp) -> AsyncIterator[None]:
     app takes requests, and closed after."""
     dataplane = app.state.dataplane
     await dataplane.open()
+    log.info(access_line(app.state.settings, dataplane.model_control))
     try:
         yield
     finally:
         await dataplane.close()
         flush_logs()
+
+
+def access_line(settings: Settings, model_control: bool) -> str:
+    """The start-up line that says who may call: whether API keys are required, and who may load models."""
+    keys, admins = len(settings.api_key_list()), len(settings.admin_key_list())
+    calls = (f"API keys: required ({keys} in ATTEND_API_KEYS) for /attend, /v2, /models, /metrics and gRPC; "
+             "the health routes and the page are open" if keys else
+             "API keys: none (ATTEND_API_KEYS is empty): every route is open to whoever reaches the port")
+    control = (f"an admin key ({admins} in ATTEND_ADMIN_KEYS)" if admins else
+               "open (ATTEND_MODEL_CONTROL=true)" if model_control else "off")
+    return f"{calls}; model control: {control}"
 
 
 def _offline_docs(app: FastAPI) -> None:
