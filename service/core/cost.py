@@ -54,6 +54,9 @@ _PER_UNSENT_WEIGHT = 4 + _PER_WEIGHT
 # queries and keys, and its tanh (two float32 buffers; the largest weights measured ~6 bytes a hidden unit
 # a weight, returned or not: `python tests/load/membound.py`).
 _PER_HIDDEN = 8
+# A weight of a decomposed graph on the GPU: the scores, scaled, masked and their softmax, as ONNX Runtime's
+# memory plan keeps them (bench/compute.py --device cuda measures the peak: docs/performance).
+_DEVICE_PER_WEIGHT = 16
 _SCAN_CHUNK = 1 << 20
 
 
@@ -123,14 +126,27 @@ def answer(inputs: int, outputs: int, weights: int, hidden: int = 0, sent: bool 
     return 4 * inputs + _PER_OUTPUT * (outputs - weights) + per_weight * weights
 
 
-class Budget:
-    """The bytes that the requests in flight may cost together (ATTEND_MAX_INFLIGHT_BYTES), per process.
-    Taken and given from the event loop and from decode threads."""
+def device_run(inputs: int, outputs: int, weights: int, hidden: int = 0, scores: bool = True) -> int:
+    """What a run holds in the execution provider's memory: its inputs and outputs (`outputs` numbers, `weights`
+    of them the attention weights), and, where the graph keeps a score matrix (`scores`), its copies of it
+    (additive attention's also `hidden` numbers a weight); a fused kernel without the weights keeps none, only
+    a mask of a byte a weight at most."""
+    if not scores:
+        return 4 * (inputs + outputs - weights) + weights
+    return 4 * (inputs + outputs) + (_DEVICE_PER_WEIGHT + 8 * hidden) * weights
 
-    def __init__(self, limit: int):
+
+class Budget:
+    """The bytes that the requests in flight may cost together, per process: of host memory
+    (ATTEND_MAX_INFLIGHT_BYTES), or of the GPU's (ATTEND_MAX_DEVICE_BYTES). Taken and given from the event
+    loop and from decode threads."""
+
+    def __init__(self, limit: int, setting: str = "ATTEND_MAX_INFLIGHT_BYTES", of: str = "memory"):
         self.limit = limit
         self.used = 0
         self.lock = threading.Lock()
+        self.setting = setting  # what the messages name
+        self.of = of
 
     def give(self, size: int) -> None:
         with self.lock:
@@ -155,16 +171,16 @@ class Cost:
         budget = self.budget
         if extra > 0:
             if total > budget.limit:
-                raise PayloadTooLarge(f"{what} would take {total} bytes of memory to serve, over this service's "
-                                      f"limit of {budget.limit} (ATTEND_MAX_INFLIGHT_BYTES)",
+                raise PayloadTooLarge(f"{what} would take {total} bytes of {budget.of} to serve, over this service's "
+                                      f"limit of {budget.limit} ({budget.setting})",
                                       expected=f"<= {budget.limit}", received=total)
             with budget.lock:  # (Budget.take, inline: this is on every request's path, several times)
                 taken = budget.used + extra <= budget.limit
                 if taken:
                     budget.used += extra
             if not taken:
-                raise Overloaded(f"requests in flight hold {budget.used} of {budget.limit} bytes "
-                                 f"(ATTEND_MAX_INFLIGHT_BYTES); {what} needs {extra} more; retry shortly",
+                raise Overloaded(f"requests in flight hold {budget.used} of {budget.limit} bytes of {budget.of} "
+                                 f"({budget.setting}); {what} needs {extra} more; retry shortly",
                                  headers={"Retry-After": "1"})
             if total > self.peak:
                 self.peak = total

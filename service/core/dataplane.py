@@ -45,12 +45,13 @@ from service.core.errors import (
     ServiceError,
 )
 from service.core.exchange import Exchange, serve
+from service.core.gpu import device_budget
 from service.core.keys import check_api_key
 from service.core.load import InFlight, Total
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
-from service.core.runtime import LoadedModel, Registry
+from service.core.runtime import CUDA, LoadedModel, Registry
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -69,6 +70,8 @@ class CoreSettings(Protocol):
     skip_broken_models: bool
     inline_decode_bytes: int
     max_inflight_bytes: int
+    max_device_bytes: int
+    workers: int
     request_timeout_s: float
     keep_versions: int
     grace_period_s: float
@@ -152,6 +155,7 @@ class Dataplane:
         self.request_timeout_s = settings.request_timeout_s
         self.inline_decode_bytes = settings.inline_decode_bytes
         self.budget = Budget(settings.max_inflight_bytes)  # what the requests in flight may cost together
+        self.device_budget: Budget | None = None  # ... of the GPU's memory (open(): once the models are loaded)
         self.registry: Registry = registry  # type: ignore[assignment]  # loaded by open() unless given
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # made by open()
         self.control: ModelControl = None  # type: ignore[assignment]
@@ -181,6 +185,11 @@ class Dataplane:
         if self.registry is None:
             self.registry = await asyncio.to_thread(load_registry, settings)
         registry = self.registry
+        on_cuda = any(registry.get(n).provider == CUDA for n in registry.names())
+        device_limit = device_budget(settings.max_device_bytes, on_cuda, settings.workers)
+        if device_limit:
+            self.device_budget = Budget(device_limit, "ATTEND_MAX_DEVICE_BYTES", "GPU memory" if on_cuda else
+                                        "the execution provider's memory")
         threads = settings.resolved_inference_threads()
         self.scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(), threads,
                                    self.metrics)
@@ -409,7 +418,14 @@ class Dataplane:
         job = Job(request, deadline, encode, is_disconnected)
         if cost is not None:
             cost.hold(request.held + job.cost, "this request's answer")
-        return await self.scheduler.submit(job, alone=len(self.requests_in_progress) <= 1)
+        if self.device_budget is None:
+            return await self.scheduler.submit(job, alone=len(self.requests_in_progress) <= 1)
+        device = Cost(self.device_budget)
+        device.hold(job.device, "this request's run")  # refused before it runs, never out of memory in it
+        try:
+            return await self.scheduler.submit(job, alone=len(self.requests_in_progress) <= 1)
+        finally:
+            device.release()
 
 
 async def _sample_metrics(metrics: Metrics, every_s: float = 1.0) -> None:

@@ -194,6 +194,14 @@ class Overloaded(ServiceError):
               "ATTEND_MAX_OPEN_CONNECTIONS.")
 
 
+class OutOfDeviceMemory(ServiceError):
+    """A run did not fit in the execution provider's memory (the GPU's): nothing was answered but this."""
+
+    status, code = 503, "out_of_device_memory"
+    advice = ("Retry after Retry-After seconds, or send a smaller request. Steadily: set ATTEND_MAX_DEVICE_BYTES "
+              "lower, so that such requests are refused before they run, or run fewer ATTEND_WORKERS on the GPU.")
+
+
 class DeadlineExceeded(ServiceError):
     """The request's deadline (ATTEND_REQUEST_TIMEOUT_S, or X-Request-Timeout-Ms) passed before it ran."""
 

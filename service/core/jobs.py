@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.cost import answer
+from service.core.cost import answer, device_run
 from service.core.request import Request
 from service.core.runtime import LoadedModel
 
@@ -39,10 +39,11 @@ class Job:
     `axes` holds the request's size of every named axis of its model's signature (batch, n_q, n_k
     or n, and the free feature sizes); `shape` the same but batch, in the signature's order; `key`
     the sizes no batch pads (requests of one key may merge); `elements` those of its run's inputs
-    and outputs (`RunCost`)."""
+    and outputs (`RunCost`); `cost` and `device` what it holds in host memory and in the execution
+    provider's (service.core.cost)."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
-                 "n_k", "key", "cost", "shape", "elements")
+                 "n_k", "key", "cost", "device", "shape", "elements")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -59,7 +60,13 @@ class Job:
             if memo is not None:
                 memo["job sizes"] = sizes
         self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements = sizes
-        self.cost = costs[0] if request.return_weights else costs[1]  # the weights in the answer, or not
+        weights = request.return_weights
+        self.cost = costs[0] if weights else costs[1]  # the weights in the answer, or not
+        self.device = costs[2]
+        if costs[3]:  # a graph without the weights that keeps no score matrix runs where no job asks for them
+            self.key = (*self.key, weights)  # so jobs that do never merge with those that do not
+            if not weights:
+                self.device = costs[3]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +79,7 @@ class SizePlan:
     outputs: tuple[tuple[int, tuple[str, ...], bool], ...]  # an output's fixed sizes' product, its named axes,
     # whether it is the attention weights
     hidden: int  # the numbers a weight is computed from (additive attention's num_hiddens; else 0)
+    linear: bool  # its graph without the weights keeps no score matrix (a fused kernel on CUDA)
 
     @staticmethod
     def of(model: LoadedModel) -> SizePlan:
@@ -84,14 +92,18 @@ class SizePlan:
                              tuple(d for d in spec.shape if d.__class__ is str), spec.name == "attention_weights")
                             for spec in model.outputs)
             hidden = int(model.config.hyperparameters.get("num_hiddens", 0)) if model.kind == "additive" else 0
+            linear = model.session_without_weights is not None and model.provider == "CUDAExecutionProvider"
             plan = model.derived["job sizes"] = SizePlan(reads, tuple(a for a in order if a in fixed),
-                                                          tuple(a for a in order if a != "batch"), outputs, hidden)
+                                                         tuple(a for a in order if a != "batch"), outputs, hidden,
+                                                         linear)
         return plan
 
 
-def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int], tuple[int, ...], int]:
-    """A Job's axes, rows, n_q, n_k, key, what its arrays, run and answer cost in memory with the weights
-    in the answer and without (service.core.cost.answer), shape and elements, from its request's shapes."""
+def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int, int, int],
+                                        tuple[int, ...], int]:
+    """A Job's axes, rows, n_q, n_k, key, costs, shape and elements, from its request's shapes. Its costs:
+    in host memory with the weights in the answer and without (service.core.cost.answer); in the execution
+    provider's, of the graph with the weights and of a graph without that keeps no scores (0: none runs)."""
     plan = SizePlan.of(request.model)
     feed = request.feed
     axes = {axis: feed[name].shape[i] for name, i, axis in plan.reads}
@@ -105,7 +117,9 @@ def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, t
         outputs += size
         if is_weights:
             weights = size
-    costs = (answer(elements, outputs, weights, plan.hidden), answer(elements, outputs, weights, plan.hidden, False))
+    costs = (answer(elements, outputs, weights, plan.hidden), answer(elements, outputs, weights, plan.hidden, False),
+             device_run(elements, outputs, weights, plan.hidden),
+             device_run(elements, outputs, weights, 0, False) if plan.linear else 0)
     return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), costs,
             tuple([axes[a] for a in plan.others]), elements + outputs)
 

@@ -4,14 +4,19 @@ job's own rows, queries, keys and features sliced back out and encoded."""
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
 import numpy as np
 
+from service.core.errors import OutOfDeviceMemory
 from service.core.jobs import Job, SizePlan
 from service.core.metrics import Metrics
 from service.core.runtime import LoadedModel
+
+# What ONNX Runtime says where an allocation failed: its arena's (CPU or CUDA), or CUDA's own.
+_OUT_OF_MEMORY = re.compile(r"Failed to allocate memory|out of memory|cudaErrorMemoryAllocation|bad_alloc")
 
 
 def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict[str, np.ndarray]:
@@ -91,7 +96,13 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
     # The graph without the weights where no job returns them (LoadedModel.run).
     weights = any(job.request.return_weights for job in jobs)
     start = time.perf_counter()
-    outputs = model.run(feed, weights)
+    try:
+        outputs = model.run(feed, weights)
+    except Exception as e:
+        if _OUT_OF_MEMORY.search(str(e)):  # the session and the process live on: only this batch failed
+            raise OutOfDeviceMemory(f"the run of {len(jobs)} request(s) did not fit in the memory of "
+                                    f"{model.provider}", headers={"Retry-After": "1"}) from None
+        raise
     seconds = time.perf_counter() - start
     metrics.model(model.name).inference.observe(seconds)
     if len(jobs) == 1:
