@@ -44,7 +44,7 @@ def test_the_page_asks_for_the_key_and_keeps_it_for_the_tab_only(tab, browser, s
     page.wait_for_selector("#key-dialog[open]")
     assert page.inner_text('#key-dialog .field-error[data-error-for="Authorization"]') == "the API key is not valid"
     give_key(page, KEY)
-    page.wait_for_selector('body[data-state="ready"]')
+    page.wait_for_selector('body[data-state="shown"]')  # the book's example, drawn once the key was given
     assert page.locator("#model option").count() >= 4
 
     with page.expect_request(lambda r: r.url.endswith("/attend")) as sent:
@@ -67,7 +67,7 @@ def test_a_401_while_sending_asks_again_and_then_sends(tab):
     """A key that stops working (revoked, mistyped in another tab) is asked for again; the request then goes."""
     page = tab.page
     give_key(page, KEY)
-    page.wait_for_selector('body[data-state="ready"]')
+    page.wait_for_selector('body[data-state="shown"]')
     page.evaluate("() => sessionStorage.setItem('attend.apiKey', 'revoked-key')")
     statuses = []
     page.on("response", lambda r: statuses.append(r.status) if r.url.endswith("/attend") else None)

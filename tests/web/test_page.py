@@ -40,15 +40,20 @@ def service(repository, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(service):
-    """The models the service lists, by name."""
-    return {m["name"]: m for m in httpx.get(f"{service[0]}/models").json()["models"]}
+def served(service, repository):
+    """The models the service lists, by name: every one of the repository, each ready (the tests loop over
+    them, which would check nothing over a list that came back short)."""
+    models = {m["name"]: m for m in httpx.get(f"{service[0]}/models").json()["models"]}
+    assert sorted(models) == sorted(p.name for p in repository.iterdir() if p.is_dir()), models
+    assert {m["status"] for m in models.values()} == {"ready"}, models
+    return models
 
 
 @pytest.fixture
 def tab(browser, service):
+    """The page, once it has drawn the book's example of its first model (it does so on load, unasked)."""
     tab = open_tab(browser, service[0])
-    tab.page.wait_for_selector('body[data-state="ready"]')
+    tab.page.wait_for_selector('body[data-state="shown"]')
     yield tab
     tab.check()  # every test: no request to another host, no error in the console
     tab.page.close()
@@ -118,6 +123,28 @@ def assert_outputs_show(tab, outputs) -> None:
 
 
 BOOK_KINDS = ["additive", "dot_product", "multi_head", "self_attention", "masked_softmax"]
+_FIELDS = """() => Object.fromEntries([...document.querySelectorAll("#fields textarea")]
+  .filter((t) => t.value.trim()).map((t) => [t.name, JSON.parse(t.value)]))"""
+
+
+def test_the_page_opens_on_the_books_example_drawn_without_a_click(browser, service, served):
+    """The first model (additive, the chapter's first) with the book's example, its heatmaps and outputs drawn
+    on load: one POST /attend, made by the page itself, and what it draws is what the API answers."""
+    tab = open_tab(browser, service[0])
+    page = tab.page
+    page.wait_for_selector('body[data-state="shown"]')  # no click, no key: the page got there by itself
+    first = [name for name, m in served.items() if m["status"] == "ready"][0]
+    assert first == "additive" and page.input_value("#model") == first
+    body = {"model": first} | page.evaluate(_FIELDS)
+    assert body["valid_lens"] == [2, 6] and np.shape(body["queries"]) == (2, 1, 20)  # the book's example
+    assert page.locator("#result").is_visible()
+    expected = api(service, body).json()
+    assert_heatmaps_show(tab, expected["attention_weights"], body["valid_lens"])
+    assert_outputs_show(tab, expected["outputs"])
+    np.testing.assert_allclose(expected["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-5)
+    assert [url for url in tab.requests if url.endswith("/attend")] == [f"{service[0]}/attend"]
+    tab.check()
+    page.close()
 
 
 @pytest.mark.parametrize("kind", BOOK_KINDS)
