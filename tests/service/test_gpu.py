@@ -1,20 +1,35 @@
 """What only a GPU can show: every kind of the default repository really runs on ONNX Runtime's CUDA
 execution provider, and gives the CPU's numbers (TF32 off, as the service's default), through the
-sessions and through the service. `pytest -m gpu` on a machine with an NVIDIA GPU and onnxruntime-gpu
-(../shared/GPU.md); skipped elsewhere, saying why."""
+sessions and through the service; a batch without weights runs CUDA's graph without them
+(model.cuda.outputs.onnx), on the fused kernel ONNX Runtime's VERBOSE log names, to the CPU's numbers.
+`pytest -m gpu` on a machine with an NVIDIA GPU and onnxruntime-gpu (../shared/GPU.md); skipped elsewhere,
+saying why."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
 
+from export.fused import FUSED_KINDS
 from export.repository import KINDS, example_feed
-from service.core.runtime import CPU, CUDA, Registry
+from service.core.runtime import CPU, CUDA, Registry, _stderr_captured
+from tests.server import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import longseq  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-5  # fp32 against fp32: TF32 would be ~1e-3 off (ATTEND_CUDA_TF32 is off by default)
+# The memory-efficient kernel's fp32 GEMMs are cutlass's 3xTF32 (OpMultiplyAddFastF32: near fp32, not
+# cuBLAS's rounding) and its softmax is online (rescaled block by block): another order of the same sums.
+FUSED_TOLERANCE = 1e-4
 SIZES = [{"batch": 2, "n_q": 3, "n_k": 5, "n": 4, "d": 8, "value_size": 6},
          {"batch": 7, "n_q": 33, "n_k": 65, "n": 48, "d": 64, "value_size": 16}]
+# n_k a multiple of 4 (the mask's bias rows aligned: the memory-efficient kernel takes it) and head sizes of 8.
+FUSED_SIZES = [*SIZES, {"batch": 3, "n_q": 40, "n_k": 64, "n": 64, "d": 64, "value_size": 64}]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +57,9 @@ def test_every_kind_runs_on_cuda_with_the_cpus_numbers(cuda_registry, cpu_regist
     assert on_gpu.provider == CUDA and on_gpu.session.get_providers()[0] == CUDA
     assert on_cpu.provider == CPU
     # CUDA runs model.onnx (its Attention kernel refuses the weights output); the CPU its own graph where there is one.
-    assert on_gpu.model_file == "1/model.onnx"
-    assert on_cpu.model_file == ("1/model.cpu.onnx" if on_cpu.config.variants else "1/model.onnx")
+    version = on_gpu.config.version
+    assert on_gpu.model_file == f"{version}/model.onnx"
+    assert on_cpu.model_file == (f"{version}/model.cpu.onnx" if on_cpu.config.variants else f"{version}/model.onnx")
     feed = example_feed(kind, on_gpu.config.hyperparameters, sizes, np.random.default_rng(0))
     if "valid_lens" in feed:  # lengths of every kind: none, some, all
         lens = feed["valid_lens"]
@@ -66,3 +82,71 @@ def test_the_service_says_it_serves_on_cuda(cuda_registry, repository):
         assert {m["provider"] for m in client.get("/models").json()["models"]} == {CUDA}
         outputs = client.post("/attend", json=toy_request()).json()["outputs"]
     np.testing.assert_allclose(outputs, [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
+
+
+def _lengths(feed, form):
+    """valid_lens of `feed` made one an example (1-D lengths, as the service feeds them) or one a query, a
+    0 (attends to nothing) and every key among them."""
+    lens = feed["valid_lens"]
+    batch, n_q = lens.shape
+    n_k = int(lens.max())
+    per_example = np.arange(batch) * n_k // max(batch - 1, 1)  # 0 ... n_k
+    lens[:, :] = per_example[:, None] if form == "1d" else np.arange(lens.size).reshape(lens.shape) % (n_k + 1)
+    return lens
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+@pytest.mark.parametrize("sizes", FUSED_SIZES, ids=["small", "larger", "aligned"])
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_a_batch_without_weights_runs_cudas_graph_with_the_cpus_numbers(cuda_registry, cpu_registry, kind, sizes,
+                                                                        form):
+    """model.cuda.outputs.onnx, opened on CUDA beside model.onnx and named by GET /models/{name}: the
+    outputs of the CPU's graph, lengths one an example (nonpad_kv_seqlen) and one a query (the mask), rows
+    of valid length 0 zeros."""
+    on_gpu, on_cpu = cuda_registry.get(kind), cpu_registry.get(kind)
+    version = on_gpu.config.version
+    assert on_gpu.model_file_without_weights == f"{version}/model.cuda.outputs.onnx"
+    assert on_gpu.describe()["model_file_without_weights"] == on_gpu.model_file_without_weights
+    assert on_gpu.session_without_weights.get_providers()[0] == CUDA
+    feed = example_feed(kind, on_gpu.config.hyperparameters, sizes, np.random.default_rng(1))
+    lens = _lengths(feed, form)
+    got, want = on_gpu.run(feed, weights=False), on_cpu.run(feed, weights=False)
+    assert set(got) == {"outputs"}
+    np.testing.assert_allclose(got["outputs"], want["outputs"], rtol=FUSED_TOLERANCE, atol=FUSED_TOLERANCE)
+    assert (lens == 0).any() and np.all(got["outputs"][lens == 0] == 0)
+    # the batch that wants the weights still runs model.onnx, with the same outputs
+    np.testing.assert_allclose(on_gpu.run(feed)["outputs"], got["outputs"], rtol=FUSED_TOLERANCE, atol=FUSED_TOLERANCE)
+
+
+def _kernels(path, feed):
+    """The kernels ONNX Runtime's VERBOSE log names for one run of the graph at `path` on CUDA (the kernel
+    logs through the default logger; the session's, made meanwhile, takes its severity too)."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(0)
+    try:
+        with _stderr_captured() as captured:
+            session = ort.InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0"})])
+            session.run(["outputs"], feed)
+    finally:
+        ort.set_default_logger_severity(2)  # ONNX Runtime's default: warnings
+    assert session.get_providers()[0] == CUDA
+    return longseq.kernels_in(captured[0])
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_lengths_one_an_example_run_the_memory_efficient_kernel(cuda_registry, repository, kind):
+    """fp32, heads of 8 or more (multi_head's 20 padded to 24), no weights, nonpad_kv_seqlen: the
+    memory-efficient kernel (Flash takes fp16 and bf16 only); with the mask (2-D lengths) too where n_k is
+    a multiple of 4, the unfused kernel where it is not; dot_product with a d not a multiple of 8, unfused."""
+    model = cuda_registry.get(kind)
+    path = repository / kind / model.model_file_without_weights
+    unaligned = {**FUSED_SIZES[2], "n_k": 63, "n": 63}
+    for sizes, form, kernel in ((FUSED_SIZES[2], "1d", "MEA"), (FUSED_SIZES[1], "1d", "MEA"),
+                                (FUSED_SIZES[2], "2d", "MEA"), (unaligned, "2d", "unfused")):
+        feed = example_feed(kind, model.config.hyperparameters, sizes, np.random.default_rng(2))
+        _lengths(feed, form)
+        assert _kernels(path, feed) == [kernel], (sizes, form)
+    if kind == "dot_product":
+        feed = example_feed(kind, model.config.hyperparameters, {**FUSED_SIZES[2], "d": 7}, np.random.default_rng(3))
+        assert _kernels(path, feed) == ["unfused"]
