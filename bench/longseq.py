@@ -233,7 +233,7 @@ def _run_point(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         command = [sys.executable, str(Path(__file__).resolve()), "--point", json.dumps(spec), "--point-out", out.name]
         started = time.perf_counter()
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "error": f"over {timeout:.0f} s", "seconds": time.perf_counter() - started}
         text = Path(out.name).read_text()

@@ -80,6 +80,9 @@ def test_the_service_says_it_serves_on_cuda(cuda_registry, repository):
     settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1)
     with TestClient(create_app(settings)) as client:
         assert {m["provider"] for m in client.get("/models").json()["models"]} == {CUDA}
+        for kind in FUSED_KINDS:  # what a batch without weights runs on CUDA
+            described = client.get(f"/models/{kind}").json()
+            assert described["model_file_without_weights"] == f"{described['version']}/model.cuda.outputs.onnx"
         outputs = client.post("/attend", json=toy_request()).json()["outputs"]
     np.testing.assert_allclose(outputs, [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
 
