@@ -48,8 +48,12 @@ def test_health_stays_open(keyed, path):
 
 def test_keys_never_reach_the_logs(keyed, settings, caplog):
     with caplog.at_level(logging.DEBUG):
-        keyed.post("/attend", json=toy_request(), headers={"Authorization": "Bearer second-key-456"})
-        keyed.post("/attend", json=toy_request(), headers={"Authorization": "Bearer wrong-key-789"})
+        served = keyed.post("/attend", json=toy_request(), headers={"Authorization": "Bearer second-key-456"})
+        refused = keyed.post("/attend", json=toy_request(), headers={"Authorization": "Bearer wrong-key-789"})
+    assert (served.status_code, refused.status_code) == (200, 401)
+    # The capture saw both requests' lines: a log that never reached it would hold no key either.
+    access = [r.getMessage().split()[:3] for r in caplog.records if r.name == "service.access"]
+    assert access == [["POST", "/attend", "200"], ["POST", "/attend", "401"]], caplog.text
     text = caplog.text + repr(settings.model_copy(update={"api_keys": SecretStr(KEYS)}))
     for secret in ("first-key-123", "second-key-456", "wrong-key-789"):
         assert secret not in text

@@ -3,6 +3,7 @@ keys, wrong content types. Each gets a 4xx in the one error body; the service st
 
 import json
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -137,5 +138,13 @@ def test_json_with_charset_and_missing_content_type_are_accepted(tight):
 
 
 def test_still_ready_after_all_that(tight):
-    assert tight.get("/health/ready").status_code == 200
-    assert tight.post("/attend", json=TOY).status_code == 200
+    """Every hostile body above, sent here (the tests that send them may not run first, or at all): each
+    refused with its status, and then the service is still ready and serves."""
+    statuses = [tight.post("/attend", json=body).status_code for _, body, *_ in LIMITS]
+    statuses += [tight.post("/attend", content=body, headers={"content-type": "application/json"}).status_code
+                 for _, body, *_ in RAW]
+    assert statuses == [case[2] for case in (*LIMITS, *RAW)]
+    ready = tight.get("/health/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
+    answer = tight.post("/attend", json=TOY)
+    assert answer.status_code == 200 and np.shape(answer.json()["outputs"]) == (2, 1, 4), answer.text

@@ -90,9 +90,9 @@ def test_counts_and_durations_of_successes_and_failures(server):
     assert _delta(before, after, "inference_count") == 5 * 2  # 2 rows a request
     assert _delta(before, after, "execution_count") == 5  # one after another: a session run each
     assert started_ms <= after["last_inference"] <= ended_ms
-    assert all(inference[key]["ns"] > 0 for key in ("success", "fail", "compute_input", "compute_infer",
-                                                     "compute_output"))
-    assert inference["queue"]["ns"] >= 0
+    # Every stage takes time, the queue too: each request goes through it, an event loop turn at least.
+    assert all(inference[key]["ns"] > 0 for key in ("success", "fail", "queue", "compute_input", "compute_infer",
+                                                     "compute_output")), inference
     # Each request's queue and compute durations lie within its time from arrival to answer.
     assert sum(inference[stage]["ns"] for stage in STAGES) <= inference["success"]["ns"]
     # Nothing but integers, as Triton's JSON has them.
