@@ -12,15 +12,16 @@ bench/pool.lua, bench/grpc_load.py's processes), every request timed. Cores: wit
 count, the service's N processes on cores 0..N-1 (taskset; one ONNX Runtime intra-op thread each) and the
 load generator on cores P..2P-1 of its own; on a machine with fewer than 2P cores the load takes the cores
 the service does not, and shares them where there are none (the output says so). Each process count starts
-both servers once, on each device (--device: cuda, cpu or both; default both where nvidia-smi and ONNX
-Runtime's CUDA provider are there, else cpu), and measures every row on them: each point at --concurrency,
+both servers once (at once, on the same cores), on each device (--device: cuda, cpu or both; default both
+where nvidia-smi and ONNX Runtime's CUDA provider are there, else cpu), and measures every row on them, a
+server at a time, after --warmup seconds of load on each row: each point at --concurrency,
 and at the largest count also at --largest-concurrency (the issue's p99 goal: c=64 with 8 processes against
 c=16 with 1). Beside each point: medians over --rounds of requests/s, p50 and p99; how busy the service's
 and the load's cores were (/proc/stat, over the point's window), and from that the load generator's own
 ceiling (its requests/s over its cores' busy fraction); the requests each worker served (its
 attend_worker_served); on CUDA the GPU's utilization and memory (nvidia-smi every 100 ms). Each server's
-processes: their GPU memory (nvidia-smi's compute apps, where it names their pids; and the GPU's memory
-before and after the start) and resident memory.
+processes: their resident memory and GPU memory (nvidia-smi's compute apps, where it names their pids; and
+what the GPU's memory grew by while both servers started).
 
 The results go to --results (rewritten after every point: a sweep cut short keeps what it measured),
 `--report` prints the table from that file and ends with one line, `scaling at P: W1 <x>x, ...`: each
@@ -32,6 +33,7 @@ many seconds (the sweep ends with what it has). SIGTERM stops the servers before
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -353,8 +355,8 @@ def run(args: argparse.Namespace) -> dict:
             tmp.write_text(json.dumps(results, indent=1) + "\n")
             tmp.replace(args.results)
 
-    def over_budget() -> bool:
-        return bool(args.budget) and time.monotonic() - clock > args.budget
+    def elapsed() -> float:
+        return time.monotonic() - clock
 
     tmp = Path(tempfile.mkdtemp(prefix="attend-scaling-"))
     try:
@@ -362,12 +364,12 @@ def run(args: argparse.Namespace) -> dict:
         pools = make_pools(tmp, rows, args.seed)
         for device in devices:
             for n in processes:
-                if over_budget():
+                if args.budget and elapsed() > args.budget:
                     results["skipped"].append({"device": device, "processes": n, "why": "budget"})
                     continue
                 extra = largest_extra if n == processes[-1] else []
                 try:
-                    sweep_count(args, results, pools, device, n, cores[n], concurrency + extra, tmp, save, over_budget)
+                    sweep_count(args, results, pools, device, n, cores[n], concurrency + extra, tmp, save, elapsed)
                 except Exception as e:  # a server that would not start: the sweep goes on without this count
                     results["servers"].append({"device": device, "processes": n,
                                                "error": f"{type(e).__name__}: {str(e)[:1000]}"})
@@ -380,24 +382,27 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def sweep_count(args: argparse.Namespace, results: dict, pools: dict, device: str, n: int, cores: dict,
-                concurrency: list[int], folder: Path, save, over_budget) -> None:
+                concurrency: list[int], folder: Path, save, elapsed) -> None:
     """Both servers at N processes on `device`, started once, and every row at every concurrency on them."""
     gpu = device == "cuda"
     here = {"service": cores["service_cores"], "load": cores["load_cores"]}
     os.sched_setaffinity(0, here["load"])  # this process (its samplers, its waits) off the service's cores
     with contextlib.ExitStack() as stack:
-        servers = {}
-        for kind in ("service", "plain"):  # one after the other: the GPU memory each added is its own
-            base = gpu_used_mib() if gpu else None
-            print(f"{device} {n} processes: starting the {kind} ...", file=sys.stderr)
-            servers[kind] = start(stack, kind, device, n, here["service"], args.repository, folder)
-            entry = {"device": device, "processes": n, "server": kind, "startup_s": servers[kind]["startup_s"],
-                     "at_start": memory(servers[kind], gpu)}
-            if base is not None:
-                used = gpu_used_mib()
-                entry["gpu_mib_added"] = round(used - base, 1) if used is not None else None
-            servers[kind]["entry"] = entry
-            results["servers"].append(entry)
+        # Both servers start at once (each on its own stack, closed with this one whatever happens to the other).
+        print(f"{device} {n} processes: starting the service and the plain server ...", file=sys.stderr)
+        base = gpu_used_mib() if gpu else None
+        stacks = {kind: stack.enter_context(contextlib.ExitStack()) for kind in ("service", "plain")}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            started = {kind: pool.submit(start, stacks[kind], kind, device, n, here["service"], args.repository,
+                                         folder) for kind in stacks}
+        servers = {kind: future.result() for kind, future in started.items()}
+        used = gpu_used_mib() if base is not None else None
+        for kind, server in servers.items():
+            server["entry"] = {"device": device, "processes": n, "server": kind, "startup_s": server["startup_s"],
+                               "at_start": memory(server, gpu)}
+            if used is not None and base is not None:
+                server["entry"]["gpu_mib_added_both"] = round(used - base, 1)
+            results["servers"].append(server["entry"])
         stack.callback(stop_together, servers)  # first on the way out: the servers drain at once
         warmed: set[tuple[str, str]] = set()
         for rnd in range(args.rounds):
@@ -408,9 +413,10 @@ def sweep_count(args: argparse.Namespace, results: dict, pools: dict, device: st
                     for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                         key = {"device": device, "processes": n, "row": row, "concurrency": c, "server": kind,
                                "round": rnd}
-                        if over_budget():
+                        if args.budget and elapsed() > args.budget:
                             results["skipped"].append(key | {"why": "budget"})
                             continue
+                        key["at_s"] = round(elapsed(), 1)  # when it began, from the sweep's start
                         print(f"[{rnd + 1}/{args.rounds}] {device} {n} processes {row} c={c} {kind} ...",
                               file=sys.stderr)
                         index = pools[row]["index"]
@@ -517,9 +523,9 @@ def render(results: dict) -> list[str]:
         lines += ["", f"{len(results['skipped'])} point(s) or counts not run (--budget spent)."]
 
     memory_head = "| device | server | processes | started in s | resident MiB a worker | supervisor MiB | " \
-                  "GPU MiB a worker | supervisor GPU MiB | GPU MiB added at start |"
-    lines += ["", "Each server's processes once started (nvidia-smi's per-process figures where it names the "
-              "pids; the GPU's memory before and after the start otherwise) and after the count's points:", "",
+                  "GPU MiB a worker | supervisor GPU MiB | GPU MiB both servers added |"
+    lines += ["", "Each server's processes after the count's points (GPU MiB: nvidia-smi's per process, where it "
+              "names their pids; and what the GPU's memory grew by while both servers started, at once):", "",
               memory_head, "| --- | --- | ---: |" + " ---: |" * (memory_head.count("|") - 4)]
     for s in results["servers"]:
         if "error" in s:
@@ -534,7 +540,7 @@ def render(results: dict) -> list[str]:
                      f"{_fmt(_median(rss), '.0f')} | {_fmt(supervisor[0] if supervisor else None, '.0f')} | "
                      f"{_fmt(_median(gpu_workers), '.0f')} | "
                      f"{_fmt(supervisor_gpu[0] if supervisor_gpu else None, '.0f') if s['device'] == 'cuda' else '-'}"
-                     f" | {_fmt(s.get('gpu_mib_added'), '.0f')} |")
+                     f" | {_fmt(s.get('gpu_mib_added_both'), '.0f')} |")
 
     device = "cuda" if "cuda" in settings["devices"] and any(k[0] == "cuda" for k in summary) else \
         settings["devices"][-1]
@@ -575,6 +581,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="a markdown file with a <!-- scaling --> section (docs/benchmarks.md)")
     args = parser.parse_args()
     if args.report:
+        if not args.results.exists():
+            print(f"no results at {args.results}: run `python bench/scaling.py` first (on a GPU host: "
+                  "--device both)", file=sys.stderr)
+            return 1
         results = json.loads(args.results.read_text())
     else:
         if shutil.which("wrk") is None:
