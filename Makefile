@@ -13,12 +13,12 @@ PIP_TOOLS := pip-tools==7.6.2
 LINT := $(PY) -m ruff check models export service tests bench scripts docs/examples
 
 .PHONY: install install-ray install-gpu install-runtime check-lock lock export serve test test-ray lint browser tools bench bench-ray \
-	perf-analyzer load soak membound container-lint compose-smoke deploy-lint
+	perf-analyzer load soak membound container-lint compose-smoke deploy-lint docs docs-build
 
 check-lock:  ## fail when pyproject.toml's dependencies changed and requirements.lock did not
 	@$(PYTHON) scripts/lock.py check
 
-# Then the project itself, editable and without dependencies (they came from the lock): its `attend`
+# The locked dependencies, then the project itself, editable and without dependencies: its `attend`
 # command lands in $(VENV)/bin.
 $(VENV)/.installed: requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,12 +100,21 @@ test-ray: install-ray  ## the Ray Serve tests (a local Ray cluster; `ray stop` a
 lint: install
 	$(LINT)
 
+# The documentation site (mkdocs.yml, docs/). Material for MkDocs prints a notice at every build without this.
+DOCS_PORT ?= 8080
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+docs: install  ## serve the documentation site on 127.0.0.1:$(DOCS_PORT) while you edit docs/
+	$(MKDOCS) serve -a 127.0.0.1:$(DOCS_PORT)
+
+docs-build: install  ## build the documentation site into build/site; a broken link or anchor fails (--strict)
+	$(MKDOCS) build --strict
+
 # BENCH_ARGS: e.g. "--rounds 1 --duration 2" for a shorter run, "--rows W1,W3,W1r" for some rows.
 BENCH_ARGS ?=
-bench: install $(REPOSITORY)  ## the service vs the plain server on varied bodies (wrk); writes docs/benchmarks.md, README
+bench: install $(REPOSITORY)  ## the service vs the plain server on varied bodies (wrk); writes docs/benchmarks.md, README's figure
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) bench/run.py --repository $(REPOSITORY) --rounds 3 --duration 3 $(BENCH_ARGS) \
-		--results docs/benchmarks.json --out docs/benchmarks.md --readme README.md
+		--results docs/benchmarks.json --out docs/benchmarks.md --headline README.md
 
 perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (W2, a concurrency sweep), over HTTP and gRPC
 	bash bench/perf_analyzer.sh --protocol http --concurrency "1 2 4 8 16"

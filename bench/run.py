@@ -2,8 +2,8 @@
 on pools of varied bodies, over HTTP, from outside.
 
     python bench/run.py [--rounds 3] [--duration 3] [--rows W1,W3,W1r] [--results docs/benchmarks.json]
-                        [--out docs/benchmarks.md] [--readme README.md]                        (make bench)
-    python bench/run.py --report docs/benchmarks.json --out docs/benchmarks.md --readme README.md
+                        [--out docs/benchmarks.md] [--headline README.md]                      (make bench)
+    python bench/run.py --report docs/benchmarks.json --out docs/benchmarks.md --headline README.md
 
 What it sends (bench/pools.py): for each kind the default repository serves, a pool of bodies drawn
 from a seeded RNG (values, valid-length forms, shapes), made once a run and sent to both servers; and
@@ -17,8 +17,9 @@ requests/s, p50 and p99 (of every request's time), the server's CPU time a reque
 throughput and p99 as multiples of the plain server's (the median of the per-round ratios).
 
 The results go to a JSON file (--results); the report (tables, the run's date, machine and command)
-is written from it into the marked sections of --out and --readme (`<!-- bench -->`,
-`<!-- bench-ratios -->`), at the end of a run or later with --report.
+is written from it into the marked sections of --out (`<!-- bench -->`), --readme (`<!-- bench-ratios -->`,
+the ratios alone) and --headline (`<!-- bench-headline -->`, the README's one figure: W1 at the highest
+concurrency, the service's requests/s beside the plain server's), at the end of a run or later with --report.
 """
 
 from __future__ import annotations
@@ -344,13 +345,37 @@ def render(results: dict) -> tuple[list[str], list[str]]:
     return section, readme
 
 
-def report(results: dict, out: Path | None, readme: Path | None, name: str = "bench") -> None:
+HEADLINE_ROW = "W1"
+
+
+def headline(results: dict) -> list[str]:
+    """The README's one figure: the service's requests/s on HEADLINE_ROW at the run's highest concurrency,
+    and what it is compared with, the plain server measured beside it."""
+    c = max(results["settings"]["concurrency"])
+    entry = next((e for e in summarise(results) if e["row"] == HEADLINE_ROW and e["concurrency"] == c), None)
+    servers = entry["servers"] if entry else {}
+    if "x_plain" not in servers.get("service", {}):
+        raise SystemExit(f"--headline needs row {HEADLINE_ROW} at c={c} from both the plain server and the service")
+    service, plain = servers["service"], servers["plain"]
+    return [f"**{service['rps']:.0f} requests/s** from the service on one core, against **{plain['rps']:.0f}** from "
+            "the plain FastAPI + ONNX Runtime server a user could write instead (`bench/plain_server.py`: the same "
+            f"models, no checks, no batching). Paired round by round, the service is {service['x_plain']:.2f}x as "
+            f"fast. p99 latency: {service['p99_ms']:.1f} ms against {plain['p99_ms']:.1f} ms. The load: "
+            f"{HEADLINE_ROW}, {results['rows'][HEADLINE_ROW]['text']}, {c} connections, a different body each "
+            f"request. Medians of {results['settings']['rounds']} rounds."]
+
+
+def report(results: dict, out: Path | None, readme: Path | None, name: str = "bench",
+           headline_to: Path | None = None) -> None:
     section, short = render(results)
     where = results["machine"]
     if out:
         write_section(out, name, section, stamp=results["date"], command=results["command"], where=where)
     if readme:
         write_section(readme, f"{name}-ratios", short, stamp=results["date"], command=results["command"], where=where)
+    if headline_to:
+        write_section(headline_to, f"{name}-headline", headline(results), stamp=results["date"],
+                      command=results["command"], where=where)
 
 
 def main() -> int:
@@ -376,7 +401,9 @@ def main() -> int:
     parser.add_argument("--report", type=Path, metavar="RESULTS",
                         help="measure nothing: write the report of this results file into --out and --readme")
     parser.add_argument("--out", type=Path, help="a markdown file with a <!-- bench --> section (docs/benchmarks.md)")
-    parser.add_argument("--readme", type=Path, help="a markdown file with a <!-- bench-ratios --> section (README.md)")
+    parser.add_argument("--readme", type=Path, help="a markdown file with a <!-- bench-ratios --> section")
+    parser.add_argument("--headline", type=Path,
+                        help="a markdown file with a <!-- bench-headline --> section (README.md)")
     args = parser.parse_args()
     if args.report:
         results = json.loads(args.report.read_text())
@@ -391,7 +418,7 @@ def main() -> int:
             args.results.write_text(json.dumps(results, indent=1) + "\n")
     section, _ = render(results)
     print("\n".join(section))
-    report(results, args.out, args.readme, args.section)
+    report(results, args.out, args.readme, args.section, args.headline)
     return 0
 
 

@@ -46,7 +46,7 @@ def parser(prog: str = "python -m service") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve every model of the repository (ATTEND_MODEL_REPOSITORY) over HTTP (and gRPC, on\n"
         "ATTEND_GRPC_PORT; 0 turns it off) through ONNX Runtime.\n"
-        "Settings are ATTEND_* environment variables (README.md, \"Settings\", says what each does); an\n"
+        "Settings are ATTEND_* environment variables (docs/settings.md says what each does); an\n"
         "unknown ATTEND_* variable stops the start. To listen beyond localhost: ATTEND_HOST=0.0.0.0.\n"
         "SIGTERM drains and exits; SIGHUP loads the models whose newest version changed.",
         epilog="settings (default):\n" + _settings_table(),

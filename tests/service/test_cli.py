@@ -43,7 +43,7 @@ def test_a_usage_error_exits_2_with_the_usage(capsys, argv, message):
 def test_serve_help_lists_every_setting_and_how_to_listen_beyond_localhost(capsys):
     code, out, _ = _run(capsys, ["serve", "--help"])
     assert code == 0 and out.startswith("usage: attend serve")
-    assert "ATTEND_HOST=0.0.0.0" in out and "ATTEND_PORT=8000" in out and "README" in out
+    assert "ATTEND_HOST=0.0.0.0" in out and "ATTEND_PORT=8000" in out and "docs/settings.md" in out
     for name in setting_names():
         assert f"{name}=" in out, name
     assert "ATTEND_API_KEYS=(none)" in out  # secrets' defaults are not shown as SecretStr reprs
