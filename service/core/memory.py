@@ -7,10 +7,9 @@ import ctypes
 import ctypes.util
 from typing import Any
 
-# Mapping buffers on their own costs page faults on every request that allocates them: at 256 KiB,
-# W2 (4 MB bodies) took 30 ms of CPU a request instead of 17-22; at 4 MiB it is back, and 30 s after
-# a burst of 25 MB bodies the resident memory is within 11-14% of before (8 MiB: 22-31%; glibc's
-# own dynamic threshold, which rises to 32 MiB: 54-61%). docs/reliability.md has the runs.
+# Mapping buffers on their own costs page faults on every request that allocates them, so the
+# threshold is no lower than a large body's buffers; no higher, so that memory goes back to the system
+# after a burst of large bodies. 4 MiB holds both; docs/reliability.md has the runs that chose it.
 _MMAP_THRESHOLD = 4 * 1024 * 1024
 
 

@@ -165,8 +165,8 @@ class Metrics:
             self.in_flight.set_function(count)
 
     def track_queue_depth(self, depth: Callable[[], float]) -> Gauge | None:
-        """The queue-depth gauge, read from `depth` at scrape time (a Gauge.set takes a lock, ~1 us,
-        twice a request); in multiprocess mode the gauge, for the caller to set as it changes."""
+        """The queue-depth gauge, read from `depth` at scrape time (a Gauge.set takes a lock, and would
+        run twice a request); in multiprocess mode the gauge, for the caller to set as it changes."""
         if MULTIPROCESS:
             return self.queue_depth
         self.queue_depth.set_function(depth)

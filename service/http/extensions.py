@@ -138,7 +138,7 @@ async def send_body(send: Send, status: int, body: bytes | list, headers: Header
 def disconnect_probe(extensions: dict, receive: Receive) -> Any:
     """Whether the client has gone, without waiting. Where the server offers it ("attend.disconnected",
     service.http.protocol.GuardedProtocol), its connection's state is read; else a receive cancelled at once
-    (Starlette's way), which costs ~30 us more: anyio's cancel formats the task's repr."""
+    (Starlette's way), which costs more: anyio's cancel formats the task's repr."""
     gone = extensions.get("attend.disconnected")
     if gone is not None:
         async def has_gone() -> bool:

@@ -395,8 +395,8 @@ class GuardedProtocol(HttpToolsProtocol):
             self.guard.busy.touch(id(self), arrived)  # its id: a closed connection is not kept alive
             extensions["attend.hold"] = self.transport.hold_next  # type: ignore[attr-defined]
             # The cycle by a weak reference: its scope holds these, and a strong one would make each
-            # request a reference cycle, left to the garbage collector (a collection every ~40 requests,
-            # 5-21 us a request, `python bench/gc_cost.py`).
+            # request a reference cycle, left to the garbage collector (what that costs: `python
+            # bench/gc_cost.py`).
             cycle = weakref.ref(self.cycle)
             extensions["attend.respond"] = functools.partial(self._respond, cycle)
             # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the

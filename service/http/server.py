@@ -72,9 +72,9 @@ class GracefulServer(uvicorn.Server):
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
             # What the process holds now (the modules, the models) lives as long as it does: out of the
             # garbage collector's sight, so that a full collection under load looks only at what came
-            # after (W3 and W5 at c=16: none over 5 ms, against one in every 10 s before; `python
-            # bench/gc_cost.py`). A model loaded or unloaded later puts it back (ModelControl), so that a
-            # replaced snapshot's cycles, if it has any, are still collected.
+            # after, and stays short (`python bench/gc_cost.py` times them). A model loaded or unloaded
+            # later puts it back (ModelControl), so that a replaced snapshot's cycles, if it has any, are
+            # still collected.
             gc.collect()
             gc.freeze()
             loop = type(asyncio.get_running_loop())
@@ -86,7 +86,7 @@ class GracefulServer(uvicorn.Server):
         # Readiness is off already. Keep accepting a moment first: connections whose handshake
         # the kernel finished before the signal wait in the accept queue with their request sent,
         # and closing the listener would reset them (the event loop may not have had the GIL to
-        # accept them: a large body's decode holds it for ~100 ms).
+        # accept them: a large body's decode holds it while it parses).
         await asyncio.sleep(_ACCEPT_S)
         # Then stop accepting and, before uvicorn closes every connection that has no request
         # under way, let the accepted ones have their request parsed, for the same reason.

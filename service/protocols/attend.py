@@ -136,7 +136,7 @@ _threads = threading.local()
 
 def _document(body: bytes) -> Any:
     """simdjson's parse of `body`. A small body takes its thread's own parser, kept from body to body:
-    a fresh one allocates buffers as large as the body each time (~3 us of a W1 body's parse). A larger
+    a fresh one would allocate buffers as large as the body each time. A larger
     body takes a fresh parser, whose buffers go with it; so does a small one while the thread's is busy
     (proxies of its last document still alive: an error's traceback can hold some)."""
     if len(body) > _SMALL_BODY:
@@ -252,8 +252,7 @@ _ZEROS.flags.writeable = False
 
 def _finite(flat: np.ndarray) -> bool:
     """Every number of a small body's float32 array finite: x * 0 is 0 for those, NaN for inf (beyond
-    float32) and NaN. One NumPy call where isfinite takes two and a Python wrapper (~2.5 us of a W1
-    request)."""
+    float32) and NaN. One NumPy call where isfinite takes two and a Python wrapper."""
     if flat.size > _ZEROS.size:  # (where _SMALL_BODY was raised)
         return finite(flat)
     return flat.dot(_ZEROS[:flat.size]) == 0
@@ -294,8 +293,8 @@ def skeleton(body: bytes) -> bytes:
 def _structure_matches(layout: bytes, data: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> bool:
     """Whether the body's `skeleton` is exactly what its parse implies, every array a rectangle of
     its first path's shape holding numbers only (no row of another length, no array or string or
-    literal where a number belongs). One C pass over the body instead of a walk of every row (~10 us
-    for the book's examples); False sends it the long way."""
+    literal where a number belongs). One C pass over the body instead of a Python walk of every row;
+    False sends it the long way."""
     parts = []
     for key, value in data.items():
         if key in shapes:
@@ -319,8 +318,8 @@ def _small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
     """The fields' arrays (float32, finite) and the valid lengths (float64), when the body's
     `skeleton` passes `_structure_matches` and every number fits float32; else None (the long way
     names why).
-    The numbers of all fields are cast and checked at once: a NumPy call costs ~1 us whatever the
-    size, and the book's examples are a few hundred numbers."""
+    The numbers of all fields are cast and checked at once: each NumPy call has a fixed cost, and the
+    book's examples have only a few hundred numbers."""
     shapes: dict[str, tuple[int, ...]] = {}
     buffers = []
     sizes = []
@@ -358,7 +357,7 @@ def _small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
 
 
 def _count_brackets(body: bytes) -> int:
-    """body.count(b"[") in NumPy's vector loops: 5 times faster on a 4 MB body (measured, 0.4 ms)."""
+    """body.count(b"[") in NumPy's vector loops: faster than bytes.count on a large body."""
     return int(np.count_nonzero(np.frombuffer(body, dtype=np.uint8) == ord("[")))
 
 
@@ -555,11 +554,11 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
 # the model's snapshot, and the next body of that layout is only parsed, cast and checked for what
 # its numbers can get wrong: finite float32, and whole valid lengths within n_k. (The model and
 # version are resolved from each body, and a body whose numbers fail is decoded the long way,
-# which names the field.) For the book's multi-head example this is ~half the decode's time.
+# which names the field.) On the book's multi-head example the plan saves much of the decode.
 
 _PLANS_PER_MODEL = 64  # layouts kept a snapshot (at most a small body's size each); then it starts over
-# Making a plan costs its body a few microseconds (3-9 us, W1's bodies, 2026-11-26), which only later bodies
-# of its layout win back (~20 us each). So a layout gets one when it comes a second time among the last
+# Making a plan costs its body time, which only later bodies of its layout win back. So a layout gets one
+# when it comes a second time among the last
 # _LAYOUTS_SEEN layouts (their hashes: ints, ~60 bytes each): varied bodies, which rarely come twice, are
 # spared making plans they would never use.
 _LAYOUTS_SEEN = 4 * _PLANS_PER_MODEL
