@@ -71,9 +71,8 @@ class Settings(BaseSettings):
     # server has busy clients (connections that began a request in the last 20 ms; with one, or one
     # request alone in the server, nothing waits). 0 takes only what is queued. uvloop's timers count
     # whole milliseconds (round(delay * 1000); 0 is call_soon): below 500 this is one more pass of the
-    # event loop. Measured (bench/batch_wait.py, docs/benchmarks.md): 1000 merges ~14 requests a run at
-    # concurrency 16 instead of ~6; counted against open connections it cost 2-4 busy clients beside
-    # idle keep-alive connections half their requests/s, against busy clients nothing.
+    # event loop. Busy clients, not open connections: idle keep-alive connections would make every batch
+    # wait for requests that never come (`python bench/batch_wait.py` weighs both).
     max_batch_wait_us: int = Field(1000, ge=0, description="how long a batch waits for the next request "
                                    "(while fewer are queued than clients are busy; 5 times this in all)")
     max_queue: int = Field(256, ge=1, description="requests waiting; more get 503 + Retry-After at once")
@@ -102,8 +101,8 @@ class Settings(BaseSettings):
     keep_alive_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
     request_timeout_s: float = Field(30.0, gt=0, description="deadline, queue time included; "
                                      "a client may shorten it with X-Request-Timeout-Ms")
-    # Bodies up to this size are decoded on the event loop (simdjson: ~1 ms a MB); a thread hop (65-90 us)
-    # costs more than their parse. Larger ones go to a decode thread, so the loop keeps serving meanwhile.
+    # Bodies up to this size are decoded on the event loop: a hop to a thread costs more than their parse.
+    # Larger ones go to a decode thread, so the loop keeps serving meanwhile.
     inline_decode_bytes: int = Field(1024 * 1024, ge=0)
     # Batches whose session run is predicted (the model's cost: its warm-up runs, then its runs so far;
     # service.core.runcost.RunCost) to take less than this run on the event loop; longer ones on an
@@ -182,7 +181,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
             close = difflib.get_close_matches(upper, known, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise UnknownSetting(f"unknown setting {name}{hint}: every ATTEND_* variable must be one of the "
-                                 "settings the README lists")
+                                 "settings docs/settings.md lists")
 
 
 @lru_cache

@@ -60,14 +60,14 @@ _DEVICE_PER_WEIGHT = 16
 _SCAN_CHUNK = 1 << 20
 
 
-# Bodies up to this size are counted by bytes.count (two C loops, ~0.3 us a KiB each, no call into NumPy);
-# larger ones by NumPy's vector loops, faster past a few KiB.
+# Bodies up to this size are counted by bytes.count (two C loops, no call into NumPy); larger ones by
+# NumPy's vector loops, whose fixed cost a call pays off past a few KiB.
 _COUNT_IN_BYTES = 4096
 
 
 def json_counts(body: bytes | memoryview) -> tuple[int, int]:
     """(commas, opening brackets) of a JSON body, counted in NumPy's vector loops a megabyte at a time
-    (~0.12 ms a MB each): together they bound its numbers and arrays."""
+    (so each comparison's temporary array stays small): together they bound its numbers and arrays."""
     if len(body) <= _COUNT_IN_BYTES:
         small = body if body.__class__ is bytes else bytes(body)
         return small.count(b","), small.count(b"[")

@@ -52,7 +52,7 @@ def merge(model: LoadedModel, jobs: list[Job], same: bool | None = None) -> dict
                 else:
                     np.multiply(part, np.float32(scale), out=merged[r:r + b, :n, :f])
                 r += b
-        elif len(shape) == 3:  # the usual case, sliced without building an index (~1 us a job)
+        elif len(shape) == 3:  # the usual case, sliced without building an index (paid once a job)
             for job in jobs:
                 part = job.request.feed[name]
                 b, n, f = part.shape

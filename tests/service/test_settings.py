@@ -31,7 +31,7 @@ def test_an_unknown_setting_stops_the_start_with_one_line(repository, name, mean
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0] == (f"cannot start: unknown setting {name} (did you mean {meant}?): every ATTEND_* variable "
-                        "must be one of the settings the README lists")
+                        "must be one of the settings docs/settings.md lists")
 
 
 def test_a_setting_of_the_wrong_type_stops_the_start_with_one_line(repository):
