@@ -1,4 +1,4 @@
-"""POST /attend with httpx: the book's toy dot-product request (README, "Use").
+"""POST /attend with httpx: the book's toy dot-product request (docs/attend.md).
 
     ATTEND_URL=http://127.0.0.1:8000 python docs/examples/attend_httpx.py
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Open Inference Protocol with curl, JSON tensors: the model's metadata, then the book's toy
-# dot-product request (README, "Use") as /v2 inputs. Each answer is printed on a line of its own.
+# dot-product request (docs/attend.md) as /v2 inputs. Each answer is printed on a line of its own.
 #
 #   ATTEND_URL=http://127.0.0.1:8000 bash docs/examples/v2_curl.sh
 #

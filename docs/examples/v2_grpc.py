@@ -1,5 +1,5 @@
 """The Open Inference Protocol over gRPC with Triton's client (tritonclient.grpc): the book's toy
-dot-product request (README, "Use") as ModelInfer's inputs, sent as raw_input_contents.
+dot-product request (docs/attend.md) as ModelInfer's inputs, sent as raw_input_contents.
 
     ATTEND_URL=http://127.0.0.1:8000 python docs/examples/v2_grpc.py
 

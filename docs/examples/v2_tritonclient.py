@@ -1,5 +1,5 @@
 """The Open Inference Protocol with Triton's client (tritonclient.http), binary tensors: the book's toy
-dot-product request (README, "Use") as /v2 inputs.
+dot-product request (docs/attend.md) as /v2 inputs.
 
     ATTEND_URL=http://127.0.0.1:8000 python docs/examples/v2_tritonclient.py
 

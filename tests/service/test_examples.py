@@ -1,6 +1,6 @@
 """docs/examples, each run as a user runs it (a subprocess, ATTEND_URL naming the service) against the real
 service process, and what it prints compared with the book's answer to the toy dot-product request
-(README, "Use"): the values, not only the exit status. Every file of docs/examples is run here."""
+(docs/attend.md): the values, not only the exit status. Every file of docs/examples is run here."""
 
 import json
 import os
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = ROOT / "docs" / "examples"
 KEY = "example-key"
-# The book's toy request: row 0 attends to its first 2 keys, row 1 to all 3 (README's expected answer).
+# The book's toy request: row 0 attends to its first 2 keys, row 1 to all 3 (docs/attend.md's and README's answer).
 OUTPUTS = [[[1.0, 2.0]], [[2.0, 3.0]]]
 WEIGHTS = [[[0.5, 0.5, 0.0]], [[1 / 3, 1 / 3, 1 / 3]]]
 
