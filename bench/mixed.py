@@ -39,6 +39,7 @@ def main() -> int:
     sys.path.insert(1, str(ROOT / "bench"))
     from pools import WORKLOADS
 
+    from service.core import batching
     from service.core import merge as merging
     from service.core.runtime import Registry
     from service.protocols.attend import decode_body

@@ -28,8 +28,8 @@ import orjson  # noqa: E402
 
 from service.config import Settings  # noqa: E402
 from service.core.batching import Job  # noqa: E402
-from service.core.merge import ran  # noqa: E402
 from service.core.dataplane import Dataplane  # noqa: E402
+from service.core.merge import ran  # noqa: E402
 from service.http.schemas import toy_request  # noqa: E402
 from service.protocols.attend import decode_body  # noqa: E402
 

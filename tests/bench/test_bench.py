@@ -389,7 +389,8 @@ def test_where_tells_each_stage_of_a_sample():
     loop = ["<module> (/x/service/__main__.py:1)", "Server.run (/v/site-packages/uvicorn/server.py:86)",
             "Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"]
     asgi = [*loop, "RequestResponseCycle.run_asgi (/v/site-packages/uvicorn/protocols/http/httptools_impl.py:422)"]
-    ours = [*asgi, "InferenceEndpoint.__call__ (/x/service/http/endpoint.py:85)", "serve (/x/service/core/exchange.py:100)"]
+    ours = [*asgi, "InferenceEndpoint.__call__ (/x/service/http/endpoint.py:85)",
+            "serve (/x/service/core/exchange.py:100)"]
     decode = [*ours, "decode_body (/x/service/protocols/attend.py:530)"]
     batch = [*ours, "Scheduler.submit (/x/service/core/batching.py:740)", "run_batch (/x/service/core/merge.py:90)"]
     plain = str(ROOT / "bench" / "plain_server.py")

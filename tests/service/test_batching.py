@@ -15,12 +15,12 @@ import torch
 from fastapi.testclient import TestClient
 
 from service.core.batching import BatchLimits, Job, Scheduler
-from service.core.merge import merge, product_sum, run_batch, run_terms, same_shapes
-from service.core.runcost import RunCost
 from service.core.cost import answer
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
+from service.core.merge import merge, product_sum, run_batch, run_terms, same_shapes
 from service.core.metrics import Metrics
 from service.core.request import Request
+from service.core.runcost import RunCost
 from service.core.runtime import Registry
 from service.http.app import create_app
 from service.http.protocol import BusyConnections
