@@ -395,6 +395,13 @@ def sweep_count(args: argparse.Namespace, results: dict, pools: dict, device: st
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             started = {kind: pool.submit(start, stacks[kind], kind, device, n, here["service"], args.repository,
                                          folder) for kind in stacks}
+            done, pending = concurrent.futures.wait(started.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
+            if pending and any(future.exception() for future in done):
+                # One failed: the other is not waited for (uvicorn restarts a plain worker that fails at import
+                # for good, and its readiness would be waited for minutes).
+                for pid in children(os.getpid()):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGTERM)
         servers = {kind: future.result() for kind, future in started.items()}
         used = gpu_used_mib() if base is not None else None
         for kind, server in servers.items():
