@@ -308,7 +308,9 @@ def sweep(args: argparse.Namespace, repository: Path) -> dict[str, Any]:
 def _cell_ms(row: dict[str, Any]) -> str:
     if row["status"] == "ok":
         return f"{row['ms']:.4g}"
-    return row["status"] if row["status"] in ("OOM", "timeout") else f"{row['status']} ({row.get('error', '')})"
+    if row["status"] in ("OOM", "timeout"):
+        return row["status"]
+    return f"{row['status']} ({row.get('error', '')})".replace("|", "/")  # a cell of the table
 
 
 def _cell_mib(row: dict[str, Any]) -> str:
