@@ -180,7 +180,7 @@ class Batcher:
 
     async def _gather(self, group: deque[Job]) -> None:
         """Wait for more requests to join while fewer are queued than the server has busy clients
-        (service.http.protocol.BusyConnections: the connections that began a request lately, not idle
+        (service.http.guard.BusyConnections: the connections that began a request lately, not idle
         ones): they may be about to send. The wait ends `max_wait_s` after the latest request joined
         (requests still coming one after another: W3 at concurrency 16 decodes one every ~0.2 ms,
         and a wait counted from the first gathered ~6 of 16), and at most `_GATHER_CAP` times

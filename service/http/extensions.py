@@ -66,7 +66,7 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
     body of unknown length as it comes), with what its decode will hold at least (`expected(headers,
     length)`, the codec's).
     `claim`: the server's way to have it written into one buffer as it comes ("attend.body", where it
-    offers that: service.http.protocol.BodySink), the byte at `aligned_at` 64-byte aligned; the body is
+    offers that: service.http.transport.BodySink), the byte at `aligned_at` 64-byte aligned; the body is
     then a memoryview, not bytes."""
     length = headers.get(b"content-length")
     size = int(length) if length is not None and length.isdigit() else None
@@ -113,7 +113,7 @@ async def send_body(send: Send, status: int, body: bytes | list, headers: Header
                     hold: Any = None, respond: Any = None) -> None:
     """The response, head and body. `respond`: the server's way to write a whole response at once
     ("attend.respond", service.http.protocol.GuardedProtocol), where it offers one and can; else `hold`:
-    its way to send head and body in one write (see service.http.protocol.CoalescingTransport), where it
+    its way to send head and body in one write (see service.http.transport.CoalescingTransport), where it
     offers one. A body given as a list of parts (bytes-like, each of one-byte items) goes out part
     by part, in the same one write; joined, where the server offers neither."""
     listed = body.__class__ is list

@@ -21,9 +21,9 @@ Every refusal carries the error body of the path's protocol (and Retry-After for
 counted by its reason in attend_refused_total (service.core.metrics.REFUSALS), on the refusal's path
 only.
 
-It also offers the inference endpoints two extensions of the ASGI scope: "attend.hold" (a response's
-head and body, or its parts, in one write: `CoalescingTransport`) and "attend.body" (a body with a
-Content-Length written once into one aligned buffer as it arrives: `BodySink`).
+It also offers the inference endpoints two extensions of the ASGI scope (service.http.transport):
+"attend.hold" (a response's head and body, or its parts, in one write) and "attend.body" (a body with a
+Content-Length written once into one aligned buffer as it arrives).
 
 The graceful server and its workers are service.http.server.
 """
@@ -35,24 +35,19 @@ import functools
 import logging
 import time
 import weakref
-from collections import deque
 from typing import Any
 
 import httptools
-import numpy as np
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
-from service.config import Settings, get_settings
 from service.core.errors import HeadersTooLarge, Overloaded, RequestTimeout, ServiceError
-from service.core.metrics import Metrics
 from service.http.endpoint import error_body
+from service.http.guard import guard
+from service.http.transport import BodySink, CoalescingTransport
 
 log = logging.getLogger("service")
 HEALTH = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 _HEALTH_BYTES = frozenset(p.encode() for p in HEALTH)
-
-
-_SWEEP_S = 0.25  # how often the header and body deadlines are looked at
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
@@ -76,169 +71,6 @@ def _disconnected(cycle_ref: weakref.ref) -> bool:
 
 def _overloaded(message: str) -> Overloaded:
     return Overloaded(message, headers={"Retry-After": "1"})
-
-
-class CoalescingTransport:
-    """uvicorn writes a response's status line and headers, then its body, with a write each: two
-    send() system calls and two TCP segments for every small response. An endpoint that sends both
-    at once (service.http.endpoint.send_body) calls `hold_next` first (offered to it in the
-    request's scope as the "attend.hold" extension): the head is held, and goes out joined with the
-    body in one write. A body sent in parts (a binary response's JSON header, then each tensor's
-    bytes, never joined) is held the same way, part by part, and goes out in one `writelines` (one
-    writev() under uvloop, nothing copied). Everything else is the real transport's; closing flushes
-    what is held."""
-
-    __slots__ = ("transport", "held", "holding", "closing")
-
-    def __init__(self, transport: asyncio.Transport, closing: Any = None):
-        self.transport = transport
-        self.held: list[Any] | None = None
-        self.holding = 0
-        self.closing = closing  # the protocol's say on a close: True defers it (a drain first)
-
-    def hold_next(self, writes: int = 1) -> None:
-        """Hold the next `writes` writes; the one after them takes them along."""
-        self.holding = writes
-
-    def write(self, data: Any) -> None:
-        if self.holding:
-            self.holding -= 1
-            if self.held is None:
-                self.held = [data]
-            else:
-                self.held.append(data)
-            return
-        held = self.held
-        if held is None:
-            self.transport.write(data)
-            return
-        self.held = None
-        if len(held) == 1 and len(data) <= 64 * 1024:
-            self.transport.write(held[0] + data)
-        else:  # large, or in parts: not copied to join them
-            held.append(data)
-            self.transport.writelines(held)
-
-    def flush(self) -> None:
-        held, self.held, self.holding = self.held, None, 0
-        if held is not None:
-            self.transport.writelines(held)
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-    def close(self, now: bool = False) -> None:
-        self.flush()
-        if not now and self.closing is not None and self.closing():
-            return
-        self.transport.close()
-
-    def write_eof(self) -> None:
-        self.flush()
-        self.transport.write_eof()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
-
-
-_ALIGN = 64  # bytes: a cache line, and more than any tensor's element needs
-
-
-class BodySink:
-    """A request's body, written into one buffer of its Content-Length as it arrives. uvicorn
-    appends each chunk to a bytearray, stops reading past 64 KiB until the app takes it, hands it
-    over as bytes (a copy each time), and the app joins the pieces (another): for a large body
-    that is three copies and a wake-up of the app every 64 KiB. Here each chunk is copied once and
-    the app wakes once, when the body is complete. The buffer is placed so that the byte at
-    `aligned_at` is 64-byte aligned: the binary tensors after an inference request's JSON header
-    are then read in place (ONNX Runtime wants aligned data; a misaligned one is copied)."""
-
-    __slots__ = ("view", "filled", "done")
-
-    def __init__(self, size: int, aligned_at: int, done: asyncio.Future):
-        raw = np.empty(size + _ALIGN, dtype=np.uint8)
-        start = -(raw.ctypes.data + aligned_at) % _ALIGN
-        self.view = memoryview(raw[start:start + size])
-        self.filled = 0
-        self.done = done
-
-    def write(self, chunk: Any) -> None:
-        end = self.filled + len(chunk)
-        self.view[self.filled:end] = chunk
-        self.filled = end
-
-    def finish(self) -> None:
-        if not self.done.done():
-            self.done.set_result(self.view[:self.filled])
-
-
-class BusyConnections:
-    """The connections that began a request in the last `window_s`: the clients a batch can expect
-    more requests from (an idle keep-alive connection is not one). `len()` counts them; each
-    request's start is O(1), expired entries go as new ones come."""
-
-    def __init__(self, window_s: float = 0.02):
-        self.window_s = window_s
-        self._last: dict[Any, float] = {}  # connection (a key for it) -> when its latest request began
-        self._starts: deque[tuple[float, Any]] = deque()
-
-    def touch(self, connection: Any, now: float) -> None:
-        self._last[connection] = now
-        self._starts.append((now, connection))
-        self._expire(now)
-
-    def _expire(self, now: float) -> None:
-        horizon, starts, last = now - self.window_s, self._starts, self._last
-        while starts and starts[0][0] < horizon:
-            when, connection = starts.popleft()
-            if last.get(connection) == when:
-                del last[connection]
-
-    def __len__(self) -> int:
-        self._expire(time.monotonic())
-        return len(self._last)
-
-
-class Guard:
-    """The limits, and what the connections of one process hold against them. One sweep every
-    `_SWEEP_S` looks at every connection's header and body deadlines (a timer per request cost
-    ~30% more CPU a request on a trivial app: bench/guard_cost.py)."""
-
-    def __init__(self, settings: Settings, metrics: Metrics | None = None):
-        self.settings = settings
-        # Each reason's counter (attend_refused_total), where the server gave the app's metrics.
-        self.refusals = metrics.refusals if metrics is not None else {}
-        self.protocols: set[GuardedProtocol] = set()
-        self.busy = BusyConnections()
-        self._sweeping: asyncio.TimerHandle | None = None
-
-    def add(self, protocol: GuardedProtocol) -> None:
-        self.protocols.add(protocol)
-        if self._sweeping is None:
-            self._sweeping = protocol.loop.call_later(_SWEEP_S, self._sweep, protocol.loop)
-
-    def refused(self, reason: str) -> None:
-        counter = self.refusals.get(reason)
-        if counter is not None:
-            counter.inc()
-
-    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        now = loop.time()
-        for protocol in list(self.protocols):
-            protocol.check_deadlines(now)
-        self._sweeping = loop.call_later(_SWEEP_S, self._sweep, loop) if self.protocols else None
-
-
-_guard: Guard | None = None
-
-
-def guard() -> Guard:
-    """The guard of a protocol that no GracefulServer gave one (uvicorn run otherwise, with this
-    protocol class): from the environment's settings."""
-    global _guard
-    if _guard is None:
-        _guard = Guard(get_settings())
-    return _guard
 
 
 class GuardedProtocol(HttpToolsProtocol):

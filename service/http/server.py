@@ -28,7 +28,8 @@ from service.config import Settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging, flush_logs
 from service.core.runtime import StartupError
-from service.http.protocol import Guard, GuardedProtocol
+from service.http.guard import Guard
+from service.http.protocol import GuardedProtocol
 
 log = logging.getLogger("service")
 # After SIGTERM: the listener stays open this long, then accepted connections get at most

@@ -23,7 +23,7 @@ from service.core.request import Request
 from service.core.runcost import RunCost
 from service.core.runtime import Registry
 from service.http.app import create_app
-from service.http.protocol import BusyConnections
+from service.http.guard import BusyConnections
 from service.http.schemas import toy_request
 from service.protocols.attend import attend, decode_body, encode_attend
 from tests import book

@@ -1,4 +1,4 @@
-"""A large request body written into one buffer as it arrives (service.http.protocol.BodySink, offered to
+"""A large request body written into one buffer as it arrives (service.http.transport.BodySink, offered to
 the endpoints as the "attend.body" extension) instead of uvicorn's bytearray, its bytes objects and
 a join; the binary tensors of an Open Inference Protocol request read in place, and a binary
 response sent in parts without joining them. Real uvicorn with the service's protocol, real sockets."""
@@ -17,7 +17,8 @@ import numpy as np
 import orjson
 import pytest
 
-from service.http.protocol import BodySink, GuardedProtocol
+from service.http.protocol import GuardedProtocol
+from service.http.transport import BodySink
 from service.protocols.v2 import InferCodec
 from tests.server import running_service, uvicorn_in_thread
 from tests.service.test_overload import read_response

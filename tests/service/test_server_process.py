@@ -135,7 +135,7 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
 
 def test_a_response_goes_out_in_one_write(repository, tmp_path, strace):
     """The status line, headers and body of an /attend response (200 or an error) leave in one system
-    call (service.http.protocol.CoalescingTransport), not uvicorn's two: seen with strace on the real process."""
+    call (service.http.transport.CoalescingTransport), not uvicorn's two: seen with strace on the real process."""
     trace = tmp_path / "writes.txt"
     with running_service(repository) as (url, proc), httpx.Client(base_url=url, timeout=30) as http:
         assert http.post("/attend", json=toy_request()).status_code == 200
