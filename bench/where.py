@@ -56,8 +56,8 @@ STAGES = ("session run", "JSON parse", "arrays and checks", "JSON encode", "batc
 # its frames matches. The plain server's own lines are told apart by their source text (`_PLAIN_LINES`).
 _RULES = (
     ("session run", "Session.run (", "onnxruntime"),
-    ("JSON parse", "_document (", "service/protocols/attend.py"),
-    ("JSON parse", "_parse_slowly (", "service/protocols/attend.py"),
+    ("JSON parse", "_document (", "service/protocols/json_arrays.py"),
+    ("JSON parse", "_parse_slowly (", "service/protocols/json_arrays.py"),
     ("JSON encode", "encode_attend (", "service/protocols/attend.py"),
     ("arrays and checks", "decode_body (", "service/protocols/attend.py"),
     ("arrays and checks", "AttendCodec.decode (", "service/protocols/attend.py"),

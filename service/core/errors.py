@@ -210,12 +210,12 @@ class DeadlineExceeded(ServiceError):
               "saturated: add capacity.")
 
 
-_EXCERPT = 64  # characters of a client's string quoted back in an error
+EXCERPT = 64  # characters of a client's string quoted back in an error
 
 
 def excerpt(text: str) -> str:
     """A client's string as quoted in an error: at most a short prefix of it."""
-    return repr(text) if len(text) <= _EXCERPT else repr(text[:_EXCERPT]) + f"... ({len(text)} characters)"
+    return repr(text) if len(text) <= EXCERPT else repr(text[:EXCERPT]) + f"... ({len(text)} characters)"
 
 
 def json_type(value: Any) -> str:

@@ -51,7 +51,7 @@ def finite(flat: np.ndarray) -> bool:
     return bool(np.isfinite(flat).all())
 
 
-def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
+def pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None) -> list[int | str]:
     spec = next(s for s in model.inputs() if s.name == field)
     bound = bound or {}
     return [bound.get(d, d) if isinstance(d, str) else d for d in spec.shape]
@@ -60,9 +60,9 @@ def _pattern(model: LoadedModel, field: str, bound: dict[str, int] | None = None
 def _float32(arr: np.ndarray, field: str, model: LoadedModel, checked: bool = False) -> np.ndarray:
     if arr.ndim != 3:
         raise InvalidShape(f"{field} must be 3-D (batch, n, features), got {arr.ndim}-D", field=field,
-                           expected=_pattern(model, field), received=list(arr.shape))
+                           expected=pattern(model, field), received=list(arr.shape))
     if arr.size == 0:
-        raise InvalidShape(f"{field} must not be empty", field=field, expected=_pattern(model, field),
+        raise InvalidShape(f"{field} must not be empty", field=field, expected=pattern(model, field),
                            received=list(arr.shape))
     if checked:
         return arr
@@ -81,14 +81,14 @@ def _bind(spec: TensorSpec, arr: np.ndarray, bound: dict[str, int], first_seen: 
             if got != want:
                 raise InvalidShape(
                     f"{spec.name} must have {want} features (axis {axis}) for model {model.name}, got {got}",
-                    field=spec.name, expected=_pattern(model, spec.name, _before(spec, bound, first_seen)),
+                    field=spec.name, expected=pattern(model, spec.name, _before(spec, bound, first_seen)),
                     received=list(arr.shape))
         elif want in bound:
             if got != bound[want]:
                 other = first_seen[want]
                 raise InvalidShape(
                     f"{spec.name} has {want} = {got} on axis {axis}, but {other} has {want} = {bound[want]}",
-                    field=spec.name, expected=_pattern(model, spec.name, _before(spec, bound, first_seen)),
+                    field=spec.name, expected=pattern(model, spec.name, _before(spec, bound, first_seen)),
                     received=list(arr.shape))
         else:
             bound[want] = got
@@ -100,7 +100,7 @@ def _before(spec: TensorSpec, bound: dict[str, int], first_seen: dict[str, str])
     return {axis: size for axis, size in bound.items() if first_seen[axis] != spec.name}
 
 
-def _check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -> np.ndarray:
+def check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) -> np.ndarray:
     """(batch, n_q) int64 from absent, (batch,) or (batch, n_q) whole numbers in 0..n_k."""
     if lens is None:
         return valid_lens_2d(None, batch, n_q, n_k)
@@ -160,16 +160,16 @@ def build_request(model: LoadedModel, tensors: dict[str, np.ndarray], valid_lens
     """The request for `model` from its input tensors (any float dtype, checked and made float32,
     unless the caller did: `finite_float32`) and valid lengths (absent, or any numeric dtype): shapes
     bound against the signature, limits."""
-    feed, (batch, n_q, n_k) = _checked_feed(model, tensors, limits, finite_float32)
+    feed, (batch, n_q, n_k) = checked_feed(model, tensors, limits, finite_float32)
     if "valid_lens" in model.input_names:
-        feed["valid_lens"] = _check_valid_lens(valid_lens, batch, n_q, n_k)
+        feed["valid_lens"] = check_valid_lens(valid_lens, batch, n_q, n_k)
     return Request(model=model, feed=feed, return_weights=return_weights)
 
 
 @dataclass(frozen=True, slots=True)
 class _FeedPlan:
     """A model's float inputs' signature, read once per snapshot (LoadedModel.derived), for the one
-    check of a request's shapes that passes (`_checked_feed`): the shapes of its inputs one after the other
+    check of a request's shapes that passes (`checked_feed`): the shapes of its inputs one after the other
     (`joined`), what sizes the signature fixes at which places of it, and where each named axis is."""
 
     names: tuple[str, ...]  # the float inputs (not the valid lengths)
@@ -246,7 +246,7 @@ class _FeedPlan:
         return feed, (batch, n_q, n_k)
 
 
-def _checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits, finite_float32: bool
+def checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits, finite_float32: bool
                   ) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
     """`build_request`'s feed but the valid lengths, and its (batch, n_q, n_k): the signature's one check
     (`_FeedPlan`), and where it fails the long way, which says why."""
@@ -256,7 +256,7 @@ def _checked_feed(model: LoadedModel, tensors: dict[str, np.ndarray], limits: Re
 
 def _checked_feed_long(model: LoadedModel, tensors: dict[str, np.ndarray], limits: RequestLimits,
                        finite_float32: bool) -> tuple[dict[str, np.ndarray], tuple[int, int, int]]:
-    """`_checked_feed` input by input, axis by axis: the first check that fails raises, naming the field."""
+    """`checked_feed` input by input, axis by axis: the first check that fails raises, naming the field."""
     bound: dict[str, int] = {}
     first_seen: dict[str, str] = {}
     feed: dict[str, np.ndarray] = {}
@@ -272,7 +272,7 @@ def _checked_feed_long(model: LoadedModel, tensors: dict[str, np.ndarray], limit
     max_len = model.config.hyperparameters.get("max_len")
     if max_len is not None and n_q > max_len:
         raise InvalidShape(f"queries is a sequence of {n_q} tokens, longer than the model's max_len {max_len}",
-                           field="queries", expected=[batch, f"n <= {max_len}", _pattern(model, "queries")[-1]],
+                           field="queries", expected=[batch, f"n <= {max_len}", pattern(model, "queries")[-1]],
                            received=list(feed["queries"].shape))
     if model.kind == "positional_encoding" and bound["d"] % 2:
         raise InvalidShape(f"queries must have an even feature size d (sine and cosine in pairs), got {bound['d']}",

@@ -32,8 +32,8 @@ from service.core.errors import (
 )
 from service.core.request import MAX_DIMS, Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
-from service.protocols.attend import large_not_json
 from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, media_type
+from service.protocols.json_arrays import large_not_json
 
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.

@@ -397,10 +397,10 @@ def test_where_tells_each_stage_of_a_sample():
     cases = {
         "session run": [*batch, "LoadedModel.run (/x/service/core/runtime.py:136)",
                         "Session.run (/v/site-packages/onnxruntime/capi/onnxruntime_inference_collection.py:395)"],
-        "JSON parse": [*decode, "parse (/x/service/protocols/attend.py:160)",
-                       "_document (/x/service/protocols/attend.py:148)"],
+        "JSON parse": [*decode, "parse (/x/service/protocols/json_arrays.py:160)",
+                       "_document (/x/service/protocols/json_arrays.py:148)"],
         "arrays and checks": [*decode, "decode (/x/service/protocols/attend.py:491)",
-                              "_finite (/x/service/protocols/attend.py:259)"],
+                              "finite_small (/x/service/protocols/json_arrays.py:259)"],
         "JSON encode": [*batch, "encode_answer (/x/service/protocols/attend.py:648)",
                         "encode_attend (/x/service/protocols/attend.py:641)"],
         "batching": [*batch, "merge (/x/service/core/merge.py:20)"],

@@ -11,6 +11,8 @@ import pytest
 import simdjson
 
 import service.protocols.attend as decode
+import service.protocols.json_arrays as json_arrays
+import service.protocols.layouts as layouts
 from service.core.errors import ServiceError
 from service.core.runtime import Registry
 from tests.service.test_bad_input import CASES, TOY
@@ -52,9 +54,9 @@ def _paths(monkeypatch, body, registry):
     for name, small, walk in (("small-body", 1 << 30, True), ("planned", 1 << 30, True), ("row walk", 0, True),
                               ("precise", 0, False)):
         forget_plans(registry)
-        monkeypatch.setattr(decode, "_SMALL_BODY", small)
+        monkeypatch.setattr(decode, "SMALL_BODY", small)
         if not walk:  # no fast array at all: every field the precise way
-            monkeypatch.setattr(decode, "_fast_array", lambda node: None)
+            monkeypatch.setattr(json_arrays, "_fast_array", lambda node: None)
         if name == "planned":  # a layout gets its plan the second time it comes
             _result(sibling(body), registry)
             _result(sibling(body), registry)
@@ -136,9 +138,9 @@ def test_the_small_body_path_is_taken_for_valid_bodies():
     for kind in ("dot_product", "additive", "multi_head", "self_attention"):
         for style in ("compact", "indented", "integers", "exponents"):
             body = _random_body(rng, kind, style)
-            data = decode.parse(body)
+            data = json_arrays.parse(body)
             fields = [f for f in ("queries", "keys", "values", "valid_lens") if data.get(f) is not None]
-            assert decode._small_body_arrays(decode.skeleton(body), data, fields) is not None, body[:200]
+            assert json_arrays.small_body_arrays(json_arrays.skeleton(body), data, fields) is not None, body[:200]
 
 
 # ------------------------------------------------------------------------------------------- plans
@@ -157,10 +159,10 @@ def test_a_plan_is_left_by_a_valid_small_body_whose_layout_came_before_and_used_
     assert _result(first, registry)["model"] == "additive"
     assert not model.body_plans  # a layout seen once: no plan yet
     assert _result(first, registry)["model"] == "additive"
-    assert list(model.body_plans) == [decode.skeleton(first)] == [decode.skeleton(second)]
+    assert list(model.body_plans) == [json_arrays.skeleton(first)] == [json_arrays.skeleton(second)]
     used = []
-    real = decode._Plan.request
-    monkeypatch.setattr(decode._Plan, "request", lambda plan, *a: used.append(plan) or real(plan, *a))
+    real = layouts.Plan.request
+    monkeypatch.setattr(layouts.Plan, "request", lambda plan, *a: used.append(plan) or real(plan, *a))
     assert _result(second, registry) == expected
     assert len(used) == 1
     # Another layout (one key row fewer) is decoded the long way, and leaves its own plan when it comes again.
@@ -174,11 +176,11 @@ def test_a_plan_is_left_by_a_valid_small_body_whose_layout_came_before_and_used_
 def test_layouts_that_never_come_again_leave_no_plans_and_what_is_seen_is_bounded(registry):
     forget_plans(registry)
     model = registry.get("dot_product")
-    for n in range(1, 3 * decode._LAYOUTS_SEEN):
+    for n in range(1, 3 * layouts._LAYOUTS_SEEN):
         body = {"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n], "values": [[[1.0]] * n]}
         assert isinstance(_result(json.dumps(body).encode(), registry), dict)
         assert not model.body_plans
-        assert 1 <= len(model.body_layouts_seen) <= decode._LAYOUTS_SEEN
+        assert 1 <= len(model.body_layouts_seen) <= layouts._LAYOUTS_SEEN
     forget_plans(registry)
 
 
@@ -222,12 +224,12 @@ def test_a_plan_holds_for_the_limits_it_was_checked_against(registry):
 def test_plans_are_bounded(registry):
     forget_plans(registry)
     model = registry.get("dot_product")
-    for n in range(1, 3 * decode._PLANS_PER_MODEL):
+    for n in range(1, 3 * layouts._PLANS_PER_MODEL):
         body = json.dumps({"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n],
                            "values": [[[1.0]] * n]}).encode()
         assert isinstance(_result(body, registry), dict)
         assert isinstance(_result(body, registry), dict)
-        assert 1 <= len(model.body_plans) <= decode._PLANS_PER_MODEL
+        assert 1 <= len(model.body_plans) <= layouts._PLANS_PER_MODEL
     forget_plans(registry)
 
 
@@ -237,20 +239,20 @@ def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(r
     A body over 64 KB takes a fresh one."""
     made = []
     real = simdjson.Parser
-    monkeypatch.setattr(decode.simdjson, "Parser", lambda: made.append(1) or real())
-    monkeypatch.setattr(decode._threads, "parser", None, raising=False)
+    monkeypatch.setattr(json_arrays.simdjson, "Parser", lambda: made.append(1) or real())
+    monkeypatch.setattr(json_arrays._threads, "parser", None, raising=False)
     for _ in range(3):
-        assert decode.parse(b'{"queries": [[[1.0]]]}')["queries"].as_list() == [[[1.0]]]
+        assert json_arrays.parse(b'{"queries": [[[1.0]]]}')["queries"].as_list() == [[[1.0]]]
     assert len(made) == 1  # the thread's, once
-    first = decode.parse(b'{"queries": [[[1.0, 2.0]]]}')
-    second = decode.parse(b'{"keys": [[[3.0]]]}')
+    first = json_arrays.parse(b'{"queries": [[[1.0, 2.0]]]}')
+    second = json_arrays.parse(b'{"keys": [[[3.0]]]}')
     assert len(made) == 2  # `first` holds the thread's: a fresh one
     assert type(first["queries"]) is type(second["keys"]) is simdjson.Array  # neither the slow way
     assert first["queries"].as_list() == [[[1.0, 2.0]]] and second["keys"].as_list() == [[[3.0]]]
     del first, second
-    third = decode.parse(b'{"values": [[[4.0]]]}')  # the thread's parser, free again
+    third = json_arrays.parse(b'{"values": [[[4.0]]]}')  # the thread's parser, free again
     assert len(made) == 2
-    large = decode.parse(b'{"values": [[[' + b",".join([b"1.0"] * 20_000) + b']]]}')
+    large = json_arrays.parse(b'{"values": [[[' + b",".join([b"1.0"] * 20_000) + b']]]}')
     assert len(made) == 3 and large["values"].as_list()[0][0][:2] == [1.0, 1.0]
     assert type(third["values"]) is simdjson.Array and third["values"].as_list() == [[[4.0]]]
 
