@@ -129,10 +129,10 @@ def answer(inputs: int, outputs: int, weights: int, hidden: int = 0, sent: bool 
 def device_run(inputs: int, outputs: int, weights: int, hidden: int = 0, scores: bool = True) -> int:
     """What a run holds in the execution provider's memory: its inputs and outputs (`outputs` numbers, `weights`
     of them the attention weights), and, where the graph keeps a score matrix (`scores`), its copies of it
-    (additive attention's also `hidden` numbers a weight); a fused kernel without the weights keeps none, only
-    a mask of a byte a weight at most."""
+    (additive attention's also `hidden` numbers a weight); a fused kernel without the weights, given the key
+    lengths of each example, keeps none."""
     if not scores:
-        return 4 * (inputs + outputs - weights) + weights
+        return 4 * (inputs + outputs - weights)
     return 4 * (inputs + outputs) + (_DEVICE_PER_WEIGHT + 8 * hidden) * weights
 
 

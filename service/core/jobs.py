@@ -63,9 +63,13 @@ class Job:
         weights = request.return_weights
         self.cost = costs[0] if weights else costs[1]  # the weights in the answer, or not
         self.device = costs[2]
-        if costs[3]:  # a graph without the weights that keeps no score matrix runs where no job asks for them
-            self.key = (*self.key, weights)  # so jobs that do never merge with those that do not
-            if not weights:
+        if costs[3]:  # a graph without the weights that keeps no scores runs where no job asks for them...
+            lens = request.feed["valid_lens"]
+            # ... and the lengths are one an example (the fused kernel's key lengths; a mask per query is
+            # a bias as large as the scores): so jobs merge only with their like.
+            linear = not weights and (lens.shape[1] <= 1 or bool((lens == lens[:, :1]).all()))
+            self.key = (*self.key, linear)
+            if linear:
                 self.device = costs[3]
 
 

@@ -153,3 +153,32 @@ def test_lengths_one_an_example_run_the_memory_efficient_kernel(cuda_registry, r
     if kind == "dot_product":
         feed = example_feed(kind, model.config.hyperparameters, {**FUSED_SIZES[2], "d": 7}, np.random.default_rng(3))
         assert _kernels(path, feed) == ["unfused"]
+
+
+def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_registry, repository):
+    """On CUDA the default ATTEND_MAX_DEVICE_BYTES is a share of the GPU's memory (NVML); a request whose run
+    would pass a smaller one is a 413 naming the setting, before it runs, and the next request is served."""
+    from fastapi.testclient import TestClient
+
+    from service.config import Settings
+    from service.core.gpu import SHARE, total_memory
+    from service.http.app import create_app
+    from tests.service.test_device_budget import dot_product_body, run_bytes
+
+    total = total_memory()
+    assert total and total > 1 << 30, "NVML must read the GPU's memory: nvidia-ml-py (the gpu extra)"
+    settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1)
+    with TestClient(create_app(settings)) as client:
+        assert client.app.state.dataplane.device_budget.limit == int(total * SHARE)
+    limited = settings.model_copy(update={"max_device_bytes": run_bytes(64)})
+    with TestClient(create_app(limited)) as client:
+        refused = client.post("/attend", json=dot_product_body(128))
+        assert refused.status_code == 413 and "ATTEND_MAX_DEVICE_BYTES" in refused.json()["error"]["message"]
+        assert "GPU memory" in refused.json()["error"]["message"]
+        served = client.post("/attend", json=dot_product_body(64))
+        assert served.status_code == 200 and np.asarray(served.json()["outputs"]).shape == (1, 64, 4)
+        # Without weights, one length an example: the fused kernel keeps no scores, so 128 fits where it did not.
+        body = dot_product_body(128) | {"return_weights": False}
+        outputs_only = client.post("/attend", json=body)
+        assert outputs_only.status_code == 200, outputs_only.text
+        assert client.app.state.dataplane.device_budget.used == 0
