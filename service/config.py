@@ -87,7 +87,8 @@ class Settings(BaseSettings):
     max_device_bytes: int = Field(0, ge=0, description="bytes of the GPU's memory the runs in flight of one process "
                                   "may take (service.core.cost.device_run): a request that would pass it gets 503 + "
                                   "Retry-After, one that would take more than all of it 413, before it runs; 0: on "
-                                  "CUDA, 80% of the GPU's memory shared among ATTEND_WORKERS, on the CPU none")
+                                  "CUDA, a worker's share of 80% of the GPU's memory less what it holds before any "
+                                  "request (service.core.gpu), on the CPU none")
     # A refusal sent while the client is still sending its body (413, 503, 401, ...) is followed by
     # reading and dropping the rest of it, so that the client, done sending, reads the answer (nginx's
     # lingering close); at most this many bytes and seconds, then the connection is closed.

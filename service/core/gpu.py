@@ -6,9 +6,12 @@ import logging
 
 log = logging.getLogger("service")
 
-# What the runs of all the workers on one GPU may take of its memory: the rest is the sessions' weights,
-# their CUDA contexts and ONNX Runtime's arenas rounding up.
+# What the workers on one GPU may take of its memory in all; the rest is left to the driver and to
+# ONNX Runtime's arenas rounding up.
 SHARE = 0.8
+# What a worker holds before any request: its CUDA context, its sessions and their warm-up's arenas
+# (`python bench/scaling.py` measures it: docs/benchmarks.md, "Many cores, one GPU"), with room above.
+WORKER_BYTES = 3 << 30
 
 
 def total_memory(device: int = 0) -> int | None:
@@ -29,9 +32,9 @@ def total_memory(device: int = 0) -> int | None:
 
 
 def device_budget(setting: int, on_cuda: bool, workers: int) -> int:
-    """ATTEND_MAX_DEVICE_BYTES resolved: as set; else on CUDA SHARE of the GPU's memory over the workers; else 0
-    (none: on the CPU, ATTEND_MAX_INFLIGHT_BYTES counts the runs' memory already)."""
+    """ATTEND_MAX_DEVICE_BYTES resolved: as set; else on CUDA a worker's share of SHARE of the GPU's memory, less
+    what it holds already; else 0 (none: on the CPU, ATTEND_MAX_INFLIGHT_BYTES counts the runs' memory)."""
     if setting or not on_cuda:
         return setting
     total = total_memory()
-    return int(total * SHARE) // workers if total else 0
+    return max(int(total * SHARE) // workers - WORKER_BYTES, 1 << 30) if total else 0

@@ -161,7 +161,7 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
     from fastapi.testclient import TestClient
 
     from service.config import Settings
-    from service.core.gpu import SHARE, total_memory
+    from service.core.gpu import SHARE, WORKER_BYTES, total_memory
     from service.http.app import create_app
     from tests.service.test_device_budget import dot_product_body, run_bytes
 
@@ -169,7 +169,7 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
     assert total and total > 1 << 30, "NVML must read the GPU's memory: nvidia-ml-py (the gpu extra)"
     settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1)
     with TestClient(create_app(settings)) as client:
-        assert client.app.state.dataplane.device_budget.limit == int(total * SHARE)
+        assert client.app.state.dataplane.device_budget.limit == int(total * SHARE) - WORKER_BYTES
     limited = settings.model_copy(update={"max_device_bytes": run_bytes(64)})
     with TestClient(create_app(limited)) as client:
         refused = client.post("/attend", json=dot_product_body(128))
