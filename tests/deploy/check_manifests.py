@@ -38,6 +38,7 @@ VERSIONS = ["1.30.0", kv.latest_version()]
 # docs/reliability.md: a worker holds ~100-130 MiB idle, and at most its in-flight budget more (the budget
 # counts what requests cost, from above; the measured peaks stayed under it).
 IDLE = 160 * 2**20
+CUDA_IDLE = 800 * 2**20  # a CUDA worker's resident memory before any request (docs/benchmarks.md, scaling)
 
 
 def settings_fields() -> set[str]:
@@ -141,8 +142,9 @@ def check_container(container: dict, pod_spec: dict, where: str, fields: set[str
     budget, workers = env.get("ATTEND_MAX_INFLIGHT_BYTES"), int(env.get("ATTEND_WORKERS", 1))
     if budget is None:
         problems.append(f"{where}: ATTEND_MAX_INFLIGHT_BYTES unset: the memory limit is derived from it")
-    elif limit is not None and parse_memory(limit) < workers * (IDLE + int(budget)):
-        problems.append(f"{where}: memory limit {limit} below {workers} x (160 MiB idle + "
+    elif limit is not None and parse_memory(limit) < workers * (idle := CUDA_IDLE if env.get("ATTEND_DEVICE") ==
+                                                                "cuda" else IDLE) + workers * int(budget):
+        problems.append(f"{where}: memory limit {limit} below {workers} x ({idle >> 20} MiB idle + "
                         f"ATTEND_MAX_INFLIGHT_BYTES {int(budget) >> 20} MiB): a burst within the budget is killed")
     if "cpu" not in resources.get("requests", {}):
         problems.append(f"{where}: no CPU request (the autoscaler's utilization is relative to it)")
