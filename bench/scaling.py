@@ -389,9 +389,10 @@ def sweep_count(args: argparse.Namespace, results: dict, pools: dict, device: st
     os.sched_setaffinity(0, here["load"])  # this process (its samplers, its waits) off the service's cores
     with contextlib.ExitStack() as stack:
         # Both servers start at once (each on its own stack, closed with this one whatever happens to the other).
-        print(f"{device} {n} processes: starting the service and the plain server ...", file=sys.stderr)
+        kinds_started = ("service",) if args.no_plain else ("service", "plain")
+        print(f"{device} {n} processes: starting {' and '.join(kinds_started)} ...", file=sys.stderr)
         base = gpu_used_mib() if gpu else None
-        stacks = {kind: stack.enter_context(contextlib.ExitStack()) for kind in ("service", "plain")}
+        stacks = {kind: stack.enter_context(contextlib.ExitStack()) for kind in kinds_started}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             started = {kind: pool.submit(start, stacks[kind], kind, device, n, here["service"], args.repository,
                                          folder) for kind in stacks}
@@ -415,7 +416,7 @@ def sweep_count(args: argparse.Namespace, results: dict, pools: dict, device: st
         for rnd in range(args.rounds):
             for row in results["settings"]["rows"]:
                 transport = TRANSPORTS[ROWS[row][1]]
-                kinds = ["service", "plain"] if transport.plain else ["service"]
+                kinds = ["service", "plain"] if transport.plain and not args.no_plain else ["service"]
                 for c in concurrency:
                     for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                         key = {"device": device, "processes": n, "row": row, "concurrency": c, "server": kind,
@@ -581,6 +582,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before a server's first point "
                         "on a row (0: none)")
     parser.add_argument("--budget", type=float, default=0, help="start no point after this many seconds (0: none)")
+    parser.add_argument("--no-plain", action="store_true", help="the service alone (a second sweep of settings)")
     parser.add_argument("--seed", type=int, default=SEED, help="the pools' seed")
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "scaling.json")
