@@ -11,6 +11,7 @@ stubs tritonclient ships (tritonclient.grpc.service_pb2): this process never imp
 
 import asyncio
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -489,19 +490,23 @@ def _grpc_count(url, status, family="attend_requests_total"):
 
 def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository):
     port = free_port()
-    # Slow calls in flight at once: room for all in the in-flight budget, and a batch of one call's 3 rows at
-    # most and one inference thread (so that each waits in the queue: not merged into another's run, nor run
-    # beside it).
+    # Slow calls in flight at once: room for all in the in-flight budget (~1 GB counted each), and a batch of
+    # one call's 3 rows at most and one inference thread (so that each waits in the queue: not merged into
+    # another's run, nor run beside it). No batch runs on the event loop (ATTEND_INLINE_RUN_US=0): the small
+    # call below, predicted short, would otherwise run there as soon as the batcher took it, ahead of the last
+    # slow call.
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(8 << 30),
-                         ATTEND_MAX_BATCH_ROWS="3", ATTEND_INFERENCE_THREADS="1") as (url, _):
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(32 << 30),
+                         ATTEND_MAX_BATCH_ROWS="3", ATTEND_INFERENCE_THREADS="1", ATTEND_INLINE_RUN_US="0",
+                         ATTEND_ALONE_INLINE_RUN_US="0") as (url, _):
         client, inputs, outputs, alone, _ = _slow_call(port)
-        # Three calls that run for `alone` each, one after the other, and a small one behind them, waiting
+        # Slow calls that run for `alone` each, one after the other, and a small one behind them, waiting
         # for the inference thread: cancelled once it is admitted (cancelled at a guessed time, it raced its
         # run's end, which now and then came first). Small, so that it is taken in at once: a third slow
         # call's 9 MB message now and then took longer to come in, on a busy machine, than the runs ahead of
-        # it (shorter since the graph without the weights).
-        ahead = [threading.Event(), threading.Event(), threading.Event()]
+        # it. As many slow calls as make 2 s of runs on this machine now (3 to 8): seeing the small call
+        # admitted took up to 0.6 s of scrapes with a core kept busy, so its wait holds that 3 times.
+        ahead = [threading.Event() for _ in range(min(8, max(3, math.ceil(2.0 / alone))))]
         done = threading.Event()
         answered = _grpc_count(url, 200)  # the warm-up's
 
@@ -521,13 +526,13 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
         for event in ahead:
             client.async_infer("dot_product", inputs, lambda result, error, event=event: event.set(),
                                outputs=outputs)
-        wait_for(3)  # the slow calls all in: the small one queues behind the last of them
+        wait_for(len(ahead))  # the slow calls all in: the small one queues behind the last of them
         small = []
         for name in ("queries", "keys", "values"):
             small.append(grpcclient.InferInput(name, [1, 4, 8], "FP32"))
             small[-1].set_data_from_numpy(np.ones((1, 4, 8), np.float32))
         call = client.async_infer("dot_product", small, lambda result, error: done.set(), outputs=outputs)
-        wait_for(4)
+        wait_for(len(ahead) + 1)
         call.cancel()
         assert done.wait(10) and all(event.wait(30) for event in ahead)
         deadline = time.monotonic() + 10  # the server learns of it from the stream's reset
@@ -543,7 +548,7 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
         assert "deadline passed" in error.value.message()
         assert _grpc_count(url, 504) == 1
         stats = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]["inference_stats"]
-        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 5
+        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 2 + len(ahead)
 
 
 def test_sigterm_drains_a_call_in_flight(repository):
