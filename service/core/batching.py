@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from service.core import tracing
 from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
 from service.core.jobs import Encoder, Job, heads_of
 from service.core.merge import product_sum, run_batch, run_terms
@@ -55,8 +56,8 @@ class BatchLimits:
     alone_inline_run_s: float = 5e-3  # ... and a request alone in the server, faster than this
 
 
-# Asking whether a client has gone: under `python -m service` a read of the connection's state (~1 us),
-# under another server a cancelled receive (~30 us on the event loop): worth it for a request that has
+# Asking whether a client has gone: under `python -m service` a read of the connection's state, under
+# another server a cancelled receive, which costs the event loop more: worth it for a request that has
 # waited, not for one that just arrived.
 _CHECK_CLIENT_AFTER_S = 0.002
 # A batch being gathered waits at most this many times max_wait_s after its oldest request came.
@@ -182,8 +183,8 @@ class Batcher:
         """Wait for more requests to join while fewer are queued than the server has busy clients
         (service.http.guard.BusyConnections: the connections that began a request lately, not idle
         ones): they may be about to send. The wait ends `max_wait_s` after the latest request joined
-        (requests still coming one after another: W3 at concurrency 16 decodes one every ~0.2 ms,
-        and a wait counted from the first gathered ~6 of 16), and at most `_GATHER_CAP` times
+        (requests still come in one after another as the loop decodes them; a wait counted from the first
+        gathered fewer: `python bench/batch_wait.py`), and at most `_GATHER_CAP` times
         `max_wait_s` after the oldest came. A server that says it has no other busy client is not
         waited for; one that does not say (a test client) is waited for until requests stop coming."""
         busy = self.scheduler.busy_clients
@@ -238,6 +239,8 @@ class Batcher:
             metrics.queue_time.observe(start - job.enqueued)
             waited += start - job.enqueued
         self.model.statistics.queued(len(jobs), waited)
+        if tracing.on:
+            tracing.dequeued(jobs, start)
         metrics.batch_requests.observe(len(jobs))
         metrics.batch_rows.observe(sum(j.rows for j in jobs))
 

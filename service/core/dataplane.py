@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from service.core import tracing
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
 from service.core.control import ModelControl
 from service.core.cost import Budget, Cost
@@ -67,6 +68,7 @@ class CoreSettings(Protocol):
     device: str
     cuda_tf32: bool
     warmup: bool
+    graph_timing_s: float
     skip_broken_models: bool
     inline_decode_bytes: int
     max_inflight_bytes: int
@@ -104,7 +106,7 @@ class Transport(Protocol):
 def load_registry(settings: CoreSettings) -> Registry:
     """Every model of the repository, loaded, checked and warmed up (StartupError: why not)."""
     return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
-                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models)
+                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models, settings.graph_timing_s)
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -168,6 +170,7 @@ class Dataplane:
         # request that is the only one has nobody to wait for to share a batch.
         self.requests_in_progress: Sized = InFlight(self)
         self.transports: list[Transport] = []  # added by the entry point before open()
+        self.tracing = False  # this core set tracing up (OTEL_*), and shuts it down at close()
         self._server_hint: tuple[Sized, Sized] | None = None
         self._transport_hints: list[tuple[Sized, Sized]] = []
         self._decoder: ThreadPoolExecutor | None = None
@@ -182,6 +185,8 @@ class Dataplane:
         be ready. Sessions are created here, once, never at import time."""
         settings = self.settings
         self.loop = asyncio.get_running_loop()
+        # OTEL_*: off unless they configure it (python -m service checked them before anything: TracingError).
+        self.tracing = tracing.setup(self.metrics)
         if self.registry is None:
             self.registry = await asyncio.to_thread(load_registry, settings)
         registry = self.registry
@@ -196,9 +201,9 @@ class Dataplane:
         self.scheduler.start()
         self._decoder = ThreadPoolExecutor(threads, thread_name_prefix="decode")
         # The event loop and the decode threads share the GIL. A decode thread parsing a large body
-        # gives it up only when asked, after the switch interval (5 ms by default), and the loop asks
-        # again after each of its polls: at 5 ms a turn, the burst of tests/service/test_bounded.py left
-        # /health/live unanswered for 372-715 ms in 2 of 6 runs; at 1 ms, at most 113 ms in 6.
+        # gives it up only when asked, after the switch interval, and the loop asks again after each of
+        # its polls: a shorter interval keeps health probes answered under a burst of large bodies
+        # (tests/service/test_bounded.py; the figures: docs/archive.md).
         sys.setswitchinterval(_SWITCH_INTERVAL_S)
         self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s)
         if settings.poll_s:
@@ -234,6 +239,9 @@ class Dataplane:
             await self.scheduler.stop()
         if self._decoder is not None:
             self._decoder.shutdown(wait=False)
+        if self.tracing:
+            self.tracing = False
+            await asyncio.to_thread(tracing.shutdown)  # the spans still queued sent (bounded), off the loop
         self.metrics.worker_exit()
 
     def stop_accepting(self) -> None:
@@ -412,10 +420,15 @@ class Dataplane:
         return await serve(self, exchange)
 
     async def infer(self, request: Request, deadline: float, encode: Encoder, is_disconnected: Any = None,
-                    cost: Cost | None = None) -> Any:
+                    cost: Cost | None = None, trace: tracing.RequestTrace | None = None) -> Any:
         """The encoded response for `request`, through the batching queue. Its arrays, run and answer are
-        held in `cost` first (the body's parse is over: what it held is not)."""
-        job = Job(request, deadline, encode, is_disconnected)
+        held in `cost` first (the body's parse is over: what it held is not). `trace`: its sampled trace,
+        which the batching stamps (its queue, its share of the run, its encode)."""
+        if trace is None:
+            job = Job(request, deadline, encode, is_disconnected)
+        else:
+            job = trace.job = Job(request, deadline, trace.encoder(encode), is_disconnected)
+            job.trace = trace
         if cost is not None:
             cost.hold(request.held + job.cost, "this request's answer")
         if self.device_budget is None:
