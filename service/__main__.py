@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from service.asgi import with_grpc
 from service.config import Settings, UnknownSetting, get_settings
+from service.core import tracing
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
@@ -70,7 +71,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     parser(prog).parse_args(argv)  # --help exits 0 here, anything else 2, before a setting is read
     try:
         settings = get_settings()
-    except (UnknownSetting, ValidationError) as e:  # one line, before anything else: no traceback
+        tracing.read_environment()  # OTEL_*: a value the SDK would only warn about stops the start
+    except (UnknownSetting, ValidationError, tracing.TracingError) as e:  # one line, before anything else
         print(f"cannot start: {_one_line(e)}", file=sys.stderr)
         return 1
     configure_logging(settings.log_level)

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from service.core import tracing
 from service.core.batching import Encoder
 from service.core.cost import Cost
 from service.core.errors import ServiceError
@@ -105,25 +106,34 @@ async def serve(core: Dataplane, x: Exchange) -> int:
     """The request's status once answered (0: the client went away, nothing was sent)."""
     start = time.perf_counter()
     token = request_id.set(x.rid)
+    trace = tracing.begin(x) if tracing.on else None
+    stamps = trace if trace is not None and trace.recording else None  # its stages kept (sampled)
     outcome = ["-", 500]  # the model's label and the status, for the access log line
     try:
         try:
             core.admit(x.authorization)
         except ServiceError as e:
             outcome[1] = core.failed("-", e, protocol=x.protocol)
+            if stamps is not None:
+                stamps.error = e
             await x.refuse(e)
             return outcome[1]
         try:
-            await _admitted(core, x, start, outcome)
+            await _admitted(core, x, start, outcome, stamps)
         finally:
             core.release()
         return outcome[1]
     finally:
-        log_access(x.method, x.path(outcome[0]), outcome[1], time.perf_counter() - start)
+        log_access(x.method, x.path(outcome[0]), outcome[1], time.perf_counter() - start,
+                   None if trace is None else trace.ids)
+        if trace is not None:
+            tracing.end(trace, x, outcome[1])
         request_id.reset(token)
 
 
-async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list) -> None:
+async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list, stamps: tracing.RequestTrace | None
+                    ) -> None:
+    """`stamps`: the request's trace, where it is sampled: each stage's times go on it."""
     codec = x.codec
     model = outcome[0] = label(core, x.target[0])
     version: int | str | None = x.target[1]  # for the statistics: the version asked for, then the one decoded
@@ -135,36 +145,58 @@ async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list) -
         if latest is not None and latest < until:
             until = latest
         with core.within(until):
+            if stamps is not None:
+                stamps.read = (time.perf_counter(), 0.0)
             body = await x.body(cost, until)
+            if stamps is not None:
+                stamps.read, stamps.body_bytes = (stamps.read[0], time.perf_counter()), cost.base  # type: ignore[index]
             if cost.base > core.inline_decode_bytes:
                 # While it waits for a thread: the body, and what its decode will hold at least.
                 cost.hold(cost.base + codec.expected(x.headers, cost.base), "this body")
+                if stamps is not None:
+                    stamps.decode, stamps.where = (time.perf_counter(), 0.0), "thread"
                 request, encode = await core.in_thread(until, codec.decode, core, x.target, x.headers, body, cost)
             else:  # a thread hop costs more than a small body's decode
+                if stamps is not None:
+                    stamps.decode = (time.perf_counter(), 0.0)
                 request, encode = codec.decode(core, x.target, x.headers, body, cost)
+            if stamps is not None:
+                stamps.decode = (stamps.decode[0], time.perf_counter())  # type: ignore[index]
         model = outcome[0] = request.model.name
         version = request.model.config.version
-        answer = await core.infer(request, until, encode, x.disconnected, cost)
+        answer = await core.infer(request, until, encode, x.disconnected, cost, stamps)
     except ServiceError as e:
         cost.release()
         outcome[1] = core.failed(e.model or model, e, time.perf_counter() - start, version, x.protocol)
+        if stamps is not None:
+            stamps.error = e
         if outcome[1]:
             await x.refuse(e)
         return
     except asyncio.CancelledError:  # the server or grpc ended the call: nothing is sent
         cost.release()
-        outcome[1] = core.failed(model, x.cancelled(), time.perf_counter() - start, version, x.protocol)
+        error = x.cancelled()
+        outcome[1] = core.failed(model, error, time.perf_counter() - start, version, x.protocol)
+        if stamps is not None:
+            stamps.error = error
         raise
     except Exception:
         cost.release()
         log.exception("unhandled error in %s %s", x.method, x.path(model)[:200])
         error = ServiceError("internal server error")
         outcome[1] = core.failed(model, error, time.perf_counter() - start, version, x.protocol)
+        if stamps is not None:
+            stamps.error = error
         await x.refuse(error)
         return
     core.answered(model, 200, time.perf_counter() - start, answer.model, x.protocol)
     outcome[1] = 200
     try:
-        await x.send(answer)
+        if stamps is None:
+            await x.send(answer)
+        else:
+            stamps.write = (time.perf_counter(), 0.0)
+            await x.send(answer)
+            stamps.write = (stamps.write[0], time.perf_counter())
     finally:
         cost.release()  # the answer is written (or handed to the socket's buffer)

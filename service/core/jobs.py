@@ -43,7 +43,7 @@ class Job:
     provider's (service.core.cost)."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
-                 "n_k", "key", "cost", "device", "shape", "elements")
+                 "n_k", "key", "cost", "device", "shape", "elements", "trace")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -53,6 +53,7 @@ class Job:
         self.is_disconnected = is_disconnected
         self.enqueued = time.monotonic()
         self.future = future
+        self.trace: Any = None  # its request's sampled trace (service.core.tracing.RequestTrace), while tracing is on
         memo = request.memo  # requests of one layout (service.protocols.attend's plans) share their sizes
         sizes = None if memo is None else memo.get("job sizes")
         if sizes is None:

@@ -1,7 +1,8 @@
 """Logging: one format for every line, request IDs, and the access log line.
 
 `X-Request-ID` is taken from the request when it is a sane token, made up otherwise, returned
-on the response and attached to every log record of the request (`%(request_id)s`). Made-up IDs
+on the response and attached to every log record of the request (`%(request_id)s`); while tracing is
+on, the request's trace and span ids end its lines. Made-up IDs
 are this process's random prefix and a counter: unique, and without a uuid4 (a system call) a request.
 """
 
@@ -18,6 +19,9 @@ from collections import deque
 from typing import Any
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+# "trace_id=... span_id=..." of the request being served, while tracing is on (service.core.tracing): at the end
+# of its log lines, so that a line leads to its trace.
+trace_ids: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_ids", default=None)
 _SANE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 access = logging.getLogger("service.access")
 _PREFIX = os.urandom(4).hex() + "-"  # made-up request IDs: this process's prefix, then a counter
@@ -36,6 +40,7 @@ def escape(text: str) -> str:
 class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get()
+        record.trace_ids = trace_ids.get()
         return True
 
 
@@ -72,6 +77,9 @@ class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = (f"{self.formatTime(record)} {record.levelname} {record.name} "
                 f"[{getattr(record, 'request_id', '-')}] {escape(record.getMessage())}")
+        ids = getattr(record, "trace_ids", None)
+        if ids is not None:
+            line = f"{line} {ids}"
         if record.exc_info or record.exc_text or record.stack_info:  # the traceback on lines of its own
             if record.exc_info and not record.exc_text:
                 record.exc_text = self.formatException(record.exc_info)
@@ -179,13 +187,15 @@ def _only_handler() -> _BatchHandler | None:
     return handler if len(handlers) == 1 and handlers[0] is handler else None
 
 
-def log_access(method: str, path: str, status: int, seconds: float) -> None:
+def log_access(method: str, path: str, status: int, seconds: float, ids: str | None = None) -> None:
+    """The access line; `ids`: the request's trace and span ids (tracing on), at its end."""
     if access.isEnabledFor(logging.INFO):
         handler = _only_handler()
         if handler is not None:  # the same line as the record's, without the record
             handler.lines.append(handler.formatter.access_line(  # type: ignore[union-attr]
-                f"{method} {path} {status or 499} {1e3 * seconds:.1f}ms"))
-        else:
+                f"{method} {path} {status or 499} {1e3 * seconds:.1f}ms" if ids is None else
+                f"{method} {path} {status or 499} {1e3 * seconds:.1f}ms {ids}"))
+        else:  # the record's ids come from the request's context (RequestIdFilter)
             access.info("%s %s %d %.1fms", method, path, status or 499, 1e3 * seconds)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core import tracing
 from service.core.errors import OutOfDeviceMemory
 from service.core.jobs import Job, SizePlan
 from service.core.metrics import Metrics
@@ -134,6 +135,8 @@ def ran(model: LoadedModel, jobs: list[Job], results: list[Any], begun: float, s
     end = time.perf_counter()
     model.statistics.ran(len(jobs), jobs[0].rows if len(jobs) == 1 else sum(j.rows for j in jobs), start - begun,
                          seconds, end - start - seconds, end)
+    if tracing.on:  # the run as one span, linked to its traced requests
+        tracing.ran(model, jobs, begun, start, seconds, end)
     return results, seconds
 
 

@@ -48,6 +48,9 @@ REFUSALS = (
     "drain_closed",  # a refused request's body over ATTEND_DRAIN_BYTES or ATTEND_DRAIN_S: the connection closed
 )
 
+# Why spans were lost (service.core.tracing): the `reason` label of attend_trace_spans_dropped_total.
+TRACE_DROPS = ("queue_full", "export_failed")
+
 # Up to past the default deadline (ATTEND_REQUEST_TIMEOUT_S, 30 s): a p99 near it is not read as the top bucket.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -140,6 +143,14 @@ class Metrics:
         self.request_timeout = Gauge("attend_request_timeout_seconds", "ATTEND_REQUEST_TIMEOUT_S: a request's "
                                      "deadline (a client may ask for a shorter one)", registry=self.registry,
                                      multiprocess_mode="livemax")
+        # Tracing (service.core.tracing): the spans sent to the receiver, and those lost, by reason.
+        self.trace_spans_exported = Counter("attend_trace_spans_exported", "Spans the OTLP exporter delivered "
+                                            "(tracing on: OTEL_*)", registry=self.registry)
+        self.trace_spans_dropped = Counter("attend_trace_spans_dropped", "Spans lost, by reason: queue_full (the "
+                                           "exporter's queue was full), export_failed (the receiver was down, "
+                                           "slow or refused them)", ["reason"], registry=self.registry)
+        for reason in TRACE_DROPS:
+            self.trace_spans_dropped.labels(reason)
         if not MULTIPROCESS:
             ProcessCollector(registry=self.registry)
             GCCollector(registry=self.registry)

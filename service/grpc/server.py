@@ -48,13 +48,17 @@ from service.grpc import codec, guard
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.proto import model_config_pb2
-from service.grpc.status import code_of, details_of, metadata_of
+from service.grpc.status import CODES, code_of, details_of, metadata_of
 from service.protocols.v2 import config, extensions, metadata
 
 log = logging.getLogger("service")
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _CODEC = codec.GrpcCodec()
+_INFER = "inference.GRPCInferenceService/ModelInfer"  # the request span's name and rpc.method
+# The codes OpenTelemetry's conventions count as a gRPC server's error (the others are the client's).
+_SERVER_ERRORS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+                            grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 
 class _Count:
@@ -78,9 +82,12 @@ def _authorization(metadata: dict[str, str | bytes]) -> bytes | None:
     return value.encode("latin-1", "replace") if isinstance(value, str) else value
 
 
-async def _refuse(context: grpc.aio.ServicerContext, error: ServiceError, rid: str | None = None) -> NoReturn:
+async def _refuse(context: grpc.aio.ServicerContext, error: ServiceError, rid: str | None = None,
+                  traceresponse: str | None = None) -> NoReturn:
     """Ends the call with the error's status code and details (raises grpc's AbortError)."""
     trailing = metadata_of(error) + ((("x-request-id", rid),) if rid else ())
+    if traceresponse is not None:
+        trailing += (("traceresponse", traceresponse),)
     await context.abort(code_of(error), details_of(error), trailing)
     raise AssertionError("abort returned")  # it never does
 
@@ -219,7 +226,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             await self.dataplane.serve(exchange)
         finally:
             self.in_progress.n -= 1
-        context.set_trailing_metadata((("x-request-id", exchange.rid),))
+        if exchange.traceresponse is None:
+            context.set_trailing_metadata((("x-request-id", exchange.rid),))
+        else:
+            context.set_trailing_metadata((("x-request-id", exchange.rid), ("traceresponse", exchange.traceresponse)))
         return exchange.answer
 
 
@@ -227,7 +237,8 @@ class GrpcExchange:
     """One ModelInfer call, for service.core.exchange.serve: the message is the body; the answer is
     returned by the servicer, an error ends the call with its status code."""
 
-    __slots__ = ("message", "context", "headers", "authorization", "timeout_ms", "arrived", "rid", "answer")
+    __slots__ = ("message", "context", "headers", "authorization", "timeout_ms", "arrived", "rid", "answer",
+                 "traceresponse")
     protocol = "grpc"
     method = "GRPC"
     codec = _CODEC
@@ -243,6 +254,7 @@ class GrpcExchange:
         rid = metadata.get("x-request-id")
         self.rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
         self.answer: pb.ModelInferResponse | None = None
+        self.traceresponse: str | None = None  # while tracing is on (`traced`)
 
     @property
     def target(self) -> tuple[str, str | None]:
@@ -272,7 +284,28 @@ class GrpcExchange:
         self.answer = answer.body
 
     async def refuse(self, error: ServiceError) -> None:
-        await _refuse(self.context, error, self.rid)
+        await _refuse(self.context, error, self.rid, self.traceresponse)
+
+    # Tracing (service.core.tracing; only while it is on): OpenTelemetry's conventions for RPC servers (gRPC).
+
+    def span_start(self) -> tuple[str, dict[str, Any], str]:
+        attributes: dict[str, Any] = {"rpc.system.name": "grpc", "rpc.method": _INFER}
+        peer = self.context.peer() or ""  # "ipv4:127.0.0.1:53536", "ipv6:[::1]:53536"
+        kind, _, address = peer.partition(":")
+        if kind in ("ipv4", "ipv6"):
+            host, _, port = address.rpartition(":")
+            attributes["client.address"] = host.strip("[]")
+            if port.isdigit():
+                attributes["client.port"] = int(port)
+        form = "grpc raw" if self.message.raw_input_contents else "grpc contents"
+        return _INFER, attributes, form
+
+    def span_end(self, status: int) -> tuple[dict[str, Any], bool]:
+        code = CODES.get(status or 499, grpc.StatusCode.INTERNAL) if status != 200 else grpc.StatusCode.OK
+        return {"rpc.response.status_code": code.name}, code in _SERVER_ERRORS
+
+    def traced(self, traceresponse: str) -> None:
+        self.traceresponse = traceresponse
 
 
 def _unimplemented(name: str) -> Handler:

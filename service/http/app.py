@@ -148,7 +148,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         # The preflight, and CORS headers on every other route (the inference endpoints add their own).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Request-Timeout-Ms"],
-                           expose_headers=["X-Request-ID", "Retry-After", "X-Model-Version"])
+                           expose_headers=["X-Request-ID", "Retry-After", "X-Model-Version", "traceresponse"])
     app.add_middleware(RequestContext)  # outermost: every response carries X-Request-ID
     return app
 

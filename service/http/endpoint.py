@@ -30,6 +30,9 @@ log = logging.getLogger("service")
 
 
 _NO_TARGET: Target = (None, None)
+# The routes of the request spans (OpenTelemetry's http.route: the path's template, not the path).
+_V2_ROUTE = "/v2/models/{model_name}/infer"
+_V2_VERSION_ROUTE = "/v2/models/{model_name}/versions/{model_version}/infer"
 
 
 def _attend_target(path: str) -> Target:
@@ -80,7 +83,8 @@ class InferenceEndpoint:
             extra.append((b"access-control-allow-origin", b"*" if self.cors_all else origin))
             if not self.cors_all:
                 extra.append((b"vary", b"Origin"))
-            extra.append((b"access-control-expose-headers", b"X-Request-ID, Retry-After, X-Model-Version"))
+            extra.append((b"access-control-expose-headers",
+                          b"X-Request-ID, Retry-After, X-Model-Version, traceresponse"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.dataplane.serve(HttpExchange(self, scope, receive, send))
@@ -159,6 +163,36 @@ class HttpExchange:
         extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
         await send_body(self.send_message, error.status, self.codec.error_body(error), [*self.extra, *extra],
                         hold=self.hold, respond=self.respond)
+
+    # Tracing (service.core.tracing; only while it is on): OpenTelemetry's conventions for HTTP servers.
+
+    def span_start(self) -> tuple[str, dict[str, Any], str]:
+        scope, headers = self.scope, self.headers
+        path = scope["path"]
+        route = path if path == "/attend" else _V2_VERSION_ROUTE if self.target[1] is not None else _V2_ROUTE
+        attributes: dict[str, Any] = {"http.request.method": "POST", "http.route": route, "url.path": path,
+                                      "url.scheme": scope.get("scheme", "http"),
+                                      "network.protocol.version": scope.get("http_version", "1.1")}
+        server, client = scope.get("server"), scope.get("client")
+        if server:
+            attributes["server.address"], attributes["server.port"] = server[0], server[1] or 0
+        if client:
+            attributes["client.address"], attributes["client.port"] = client[0], client[1] or 0
+        agent = headers.get(b"user-agent")
+        if agent is not None:
+            attributes["user_agent.original"] = agent.decode("latin-1")[:200]
+        form = "binary" if b"inference-header-content-length" in headers else "json"
+        encoding = headers.get(b"content-encoding")
+        if encoding is not None:
+            form = f"{form}+{encoding.decode('latin-1')[:20]}"
+        return f"POST {route}", attributes, form
+
+    def span_end(self, status: int) -> tuple[dict[str, Any], bool]:
+        # A client gone before its answer has no status (nothing was sent): an error, as a 5xx.
+        return ({"http.response.status_code": status} if status else {}), not status or status >= 500
+
+    def traced(self, traceresponse: str) -> None:
+        self.extra.append((b"traceresponse", traceresponse.encode()))
 
 
 class RequestContext:

@@ -1,0 +1,494 @@
+"""OpenTelemetry traces of the inference requests, off unless OpenTelemetry's own variables turn them on.
+
+    read_environment()  what OTEL_* asks for (None: off); TracingError, one line, for a value it cannot use
+    setup(), shutdown() the SDK's provider, a BatchSpanProcessor and the OTLP exporter, once a process
+    begin()             a request's span (service.core.exchange.serve), the caller's W3C context continued
+
+`on` is the request path's one check: while it is False nothing here is called and no span object is made.
+A request's stages are stamped as they pass (floats on its `RequestTrace`) and become spans when it ends,
+with the times they had; the batch run is one span of its own, linked to every request it served, and
+each request's trace holds its share of it (`ran`). Spans leave through the BatchSpanProcessor's thread:
+a receiver that is down, slow or refusing costs a request nothing, and what it loses is counted
+(attend_trace_spans_dropped_total). docs/observability.md says which variables, spans and attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from service.core.logs import trace_ids
+
+if TYPE_CHECKING:
+    from service.core.jobs import Job
+    from service.core.metrics import Metrics
+    from service.core.runtime import LoadedModel
+
+log = logging.getLogger("service")
+
+on = False  # tracing is set up in this process (setup); read once per request and per batch
+
+
+_SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+             "parentbased_traceidratio")
+_PROTOCOLS = ("grpc", "http/protobuf")
+_EXPORTERS = ("otlp", "console", "none")
+# How long the stop waits for the spans still queued to leave (a receiver that is down must not hold it).
+_FLUSH_S = 5.0
+
+
+class TracingError(ValueError):
+    """An OTEL_* variable the service cannot use; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the environment asks for, checked."""
+
+    exporters: tuple[str, ...]  # "otlp", "console"
+    protocol: str  # "grpc" or "http/protobuf" (otlp's)
+    endpoint: str | None  # as given (the exporter reads it again), for the start-up line
+    sampler: str
+    ratio: float | None  # the ratio samplers' argument
+
+
+def _get(environ: Mapping[str, str], name: str) -> str | None:
+    value = environ.get(name)
+    return value.strip() if value is not None and value.strip() else None
+
+
+def _number(environ: Mapping[str, str], name: str, kind: type = float, low: float = 0.0) -> None:
+    value = _get(environ, name)
+    if value is None:
+        return
+    try:
+        number = kind(value)
+    except ValueError:
+        raise TracingError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(number) or number <= low:
+        raise TracingError(f"{name}={value!r} must be over {low:g}")
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> Config | None:
+    """The tracing OTEL_* asks for, or None: off. On where an OTLP endpoint is set
+    (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) or OTEL_TRACES_EXPORTER names an
+    exporter; off where OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none. Raises TracingError for a
+    value the SDK would only warn about and replace (a sampler, a ratio, a protocol, an endpoint)."""
+    environ = os.environ if environ is None else environ
+    if (_get(environ, "OTEL_SDK_DISABLED") or "").lower() == "true":
+        return None
+    endpoint = _get(environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _get(environ, "OTEL_EXPORTER_OTLP_ENDPOINT")
+    named = _get(environ, "OTEL_TRACES_EXPORTER")
+    if named is None:
+        if endpoint is None:
+            return None
+        exporters: tuple[str, ...] = ("otlp",)
+    else:
+        exporters = tuple(dict.fromkeys(e.strip().lower() for e in named.split(",") if e.strip()))
+        unknown = [e for e in exporters if e not in _EXPORTERS]
+        if unknown:
+            raise TracingError(f"OTEL_TRACES_EXPORTER={named!r}: this service exports to {', '.join(_EXPORTERS)} "
+                               f"(not {', '.join(unknown)})")
+        if "none" in exporters:
+            if len(exporters) > 1:
+                raise TracingError(f"OTEL_TRACES_EXPORTER={named!r}: none cannot be listed with another exporter")
+            return None
+    protocol_name = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" if _get(environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                     else "OTEL_EXPORTER_OTLP_PROTOCOL")
+    protocol = (_get(environ, protocol_name) or "grpc").lower()
+    if protocol not in _PROTOCOLS:
+        raise TracingError(f"{protocol_name}={protocol!r}: the OTLP exporters speak {' or '.join(_PROTOCOLS)}")
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        value = _get(environ, name)
+        if value is not None:
+            url = urlparse(value)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise TracingError(f"{name}={value!r} is not a URL such as http://collector:4317 (grpc) or "
+                                   "http://collector:4318 (http/protobuf)")
+            try:
+                url.port  # noqa: B018  (a port that is not a number raises here)
+            except ValueError:
+                raise TracingError(f"{name}={value!r}: its port is not a number") from None
+    sampler = (_get(environ, "OTEL_TRACES_SAMPLER") or "parentbased_always_on").lower()
+    if sampler not in _SAMPLERS:
+        raise TracingError(f"OTEL_TRACES_SAMPLER={sampler!r}: one of {', '.join(_SAMPLERS)}")
+    ratio = None
+    if sampler.endswith("traceidratio"):
+        arg = _get(environ, "OTEL_TRACES_SAMPLER_ARG")
+        try:
+            ratio = 1.0 if arg is None else float(arg)
+        except ValueError:
+            ratio = math.nan
+        if not 0.0 <= ratio <= 1.0:
+            raise TracingError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: a ratio from 0 to 1 for {sampler}")
+    attributes = _get(environ, "OTEL_RESOURCE_ATTRIBUTES")
+    if attributes is not None:
+        bad = [item for item in attributes.split(",") if item.strip() and "=" not in item]
+        if bad:
+            raise TracingError(f"OTEL_RESOURCE_ATTRIBUTES: {bad[0].strip()!r} is not key=value")
+    for name in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"):
+        _number(environ, name)
+    for name in ("OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"):
+        _number(environ, name, int)
+    return Config(exporters, protocol, endpoint, sampler, ratio)
+
+
+# ------------------------------------------------------------------------------------------- the SDK
+
+
+class _Tracing:
+    """The process's provider, its tracers and what counts the spans lost."""
+
+    def __init__(self, config: Config, metrics: Metrics):
+        from opentelemetry.propagators.textmap import Getter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+        from opentelemetry.trace import Link, SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        # OTEL_SERVICE_NAME, else OTEL_RESOURCE_ATTRIBUTES' service.name, else "attend" (not the SDK's
+        # "unknown_service:python").
+        resource = Resource.create()
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": "attend"}))
+        self.config = config
+        self.resource = resource
+        # The sampler of OTEL_TRACES_SAMPLER(_ARG). Stopped by `shutdown`, bounded, not at exit (unbounded).
+        self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        # A batch run is traced where one of its requests is, whatever the sampler said of a new trace.
+        self.batch_provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
+        self.processors = [_processor(name, config, metrics) for name in config.exporters]
+        for processor in self.processors:
+            self.provider.add_span_processor(processor)
+            self.batch_provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("attend")
+        self.batch_tracer = self.batch_provider.get_tracer("attend")
+        self.propagator = TraceContextTextMapPropagator()
+
+        class _Headers(Getter):
+            """HTTP headers (lower-case bytes) and gRPC metadata (str) alike."""
+
+            def get(self, carrier: Mapping, key: str) -> list[str] | None:
+                value = carrier.get(key)
+                if value is None:
+                    value = carrier.get(key.encode())
+                if value is None:
+                    return None
+                return [value.decode("latin-1") if isinstance(value, bytes) else value]
+
+            def keys(self, carrier: Mapping) -> list[str]:
+                return [k.decode("latin-1") if isinstance(k, bytes) else k for k in carrier]
+
+        self.getter = _Headers()
+        self.Link, self.SpanKind, self.Status, self.StatusCode = Link, SpanKind, Status, StatusCode
+        self.in_context = set_span_in_context
+
+    def shutdown(self) -> None:
+        for processor in self.processors:
+            processor.shutdown()
+
+
+def _processor(name: str, config: Config, metrics: Metrics) -> Any:
+    """A BatchSpanProcessor on exporter `name`, counting the spans it exports and those it drops."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
+
+    if name == "console":
+        exporter: Any = ConsoleSpanExporter()
+    elif config.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        exporter = OTLPSpanExporter()
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        exporter = OTLPSpanExporter()
+
+    class CountingExporter(SpanExporter):
+        """The exporter, its spans counted: exported, or dropped where it failed (after its own retries)."""
+
+        def __init__(self) -> None:
+            self.exported = metrics.trace_spans_exported
+            self.failed = metrics.trace_spans_dropped.labels("export_failed")
+            self.stopping = threading.Event()  # the stop's flush ran out of time: what is left is dropped
+
+        def export(self, spans: Any) -> Any:
+            if self.stopping.is_set():
+                self.failed.inc(len(spans))
+                return SpanExportResult.FAILURE
+            try:
+                result = exporter.export(spans)
+            except Exception:
+                log.exception("exporting %d span(s) failed", len(spans))
+                result = SpanExportResult.FAILURE
+            (self.exported if result is SpanExportResult.SUCCESS else self.failed).inc(len(spans))
+            return result
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            if not self.stopping.is_set():
+                self.stopping.set()
+                exporter.shutdown()  # the OTLP exporters' shutdown ends a back-off between retries too
+
+        def force_flush(self, timeout_millis: int = 30_000) -> bool:
+            return exporter.force_flush(timeout_millis)
+
+    class CountingProcessor(BatchSpanProcessor):
+        """The SDK's BatchSpanProcessor, counting what its full queue drops (it only logs that, once in 20 s)."""
+
+        def __init__(self) -> None:
+            super().__init__(CountingExporter())
+            self.full = metrics.trace_spans_dropped.labels("queue_full")
+            batch = self._batch_processor  # the SDK's queue (a bounded deque) and its bound
+            self._queue, self._max = batch._queue, batch._max_queue_size
+
+        def on_end(self, span: Any) -> None:
+            if span.context.trace_flags.sampled and len(self._queue) >= self._max:
+                self.full.inc()  # the deque drops its oldest span to take this one
+            super().on_end(span)
+
+    return CountingProcessor()
+
+
+_tracing: _Tracing | None = None
+_users = 0  # the dataplanes of this process that set it up (shut down when the last one closes)
+
+
+def setup(metrics: Metrics, environ: Mapping[str, str] | None = None) -> bool:
+    """Tracing as the environment asks, for this process (its first dataplane's metrics count the spans
+    lost). False: off. Raises TracingError for a value it cannot use."""
+    global _tracing, _users, on
+    config = read_environment(environ)
+    if config is None:
+        return False
+    if _tracing is None:
+        _tracing = _Tracing(config, metrics)
+        on = True
+        sampled = config.sampler + (f" {config.ratio:g}" if config.ratio is not None else "")
+        log.info("tracing: %s to %s (%s), sampler %s, service.name %s", "+".join(config.exporters),
+                 config.endpoint or "the default endpoint", config.protocol, sampled,
+                 _tracing.resource.attributes.get("service.name"))
+    _users += 1
+    return True
+
+
+def shutdown() -> None:
+    """The last user gone: the spans still queued are sent, for `_FLUSH_S` at most (a receiver that is
+    down must not hold the stop); then what is left is dropped and counted."""
+    global _tracing, _users, on
+    if _tracing is None:
+        return
+    _users -= 1
+    if _users > 0:
+        return
+    tracing, _tracing, on = _tracing, None, False
+    stopper = threading.Thread(target=tracing.shutdown, name="otel-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(_FLUSH_S)
+    if stopper.is_alive():
+        for processor in tracing.processors:
+            processor.span_exporter.shutdown()
+
+
+# --------------------------------------------------------------------------------------- a request
+
+
+def _now_ns() -> tuple[int, float, float]:
+    """(epoch ns, perf_counter, monotonic) read together: the stamps' clocks turned into the spans'."""
+    return time.time_ns(), time.perf_counter(), time.monotonic()
+
+
+class RequestTrace:
+    """One request's span and the stamps of its stages (perf_counter, but `job.enqueued` and `dequeued`:
+    monotonic), turned into spans by `end`. `recording`: sampled, its stages are kept; else only its ids
+    go out (the header, the log)."""
+
+    __slots__ = ("span", "context", "recording", "token", "header", "ids", "error", "read", "body_bytes",
+                 "decode", "where", "form", "job", "dequeued", "batch", "encoded", "write")
+
+    def __init__(self, span: Any, context: Any, header: str, ids: str, recording: bool):
+        self.span = span
+        self.context = context
+        self.header = header  # W3C traceresponse: version-trace_id-span_id-flags
+        self.ids = ids  # what the log lines carry
+        self.recording = recording
+        self.token: Any = None
+        self.error: Any = None  # the ServiceError the request ended with
+        self.read: tuple[float, float] | None = None  # the body: (start, end or 0.0 where it failed)
+        self.body_bytes = 0
+        self.decode: tuple[float, float] | None = None
+        self.where = "inline"
+        self.form = ""
+        self.job: Job | None = None
+        self.dequeued = 0.0  # monotonic: when its batch took it
+        self.batch: tuple[Any, int, int, int, int] | None = None  # (span context, start ns, end ns, requests, rows)
+        self.encoded: tuple[float, float] | None = None
+        self.write: tuple[float, float] | None = None
+
+    def encoder(self, encode: Any) -> Any:
+        """`encode`, its time kept (it runs inside the batch's run, on whichever thread runs it)."""
+        def timed(model: Any, outputs: Any, weights: bool) -> Any:
+            begun = time.perf_counter()
+            answer = encode(model, outputs, weights)
+            self.encoded = (begun, time.perf_counter())
+            return answer
+
+        return timed
+
+
+def begin(x: Any) -> RequestTrace:
+    """The request span of exchange `x`, child of the caller's traceparent where it sent one, and the
+    trace's ids where the caller reads them (`x.traced`) and in its log lines."""
+    tracing = _tracing
+    assert tracing is not None
+    parent = tracing.propagator.extract(x.headers, getter=tracing.getter)
+    name, attributes, form = x.span_start()
+    arrived = x.arrived
+    start = None
+    if arrived is not None:
+        epoch, _, mono = _now_ns()
+        start = epoch - int((mono - arrived) * 1e9)
+    span = tracing.tracer.start_span(name, context=parent, kind=tracing.SpanKind.SERVER, attributes=attributes,
+                                     start_time=start)
+    sc = span.get_span_context()
+    trace_id, span_id = f"{sc.trace_id:032x}", f"{sc.span_id:016x}"
+    sampled = bool(sc.trace_flags.sampled)
+    trace = RequestTrace(span, tracing.in_context(span), f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}",
+                         f"trace_id={trace_id} span_id={span_id}", span.is_recording())
+    trace.form = form
+    trace.token = trace_ids.set(trace.ids)
+    x.traced(trace.header)
+    return trace
+
+
+def end(trace: RequestTrace, x: Any, status: int) -> None:
+    """The request's stages as spans, then its span, with its status (0: the client went away, 499)."""
+    trace_ids.reset(trace.token)
+    span = trace.span
+    error = trace.error
+    if not trace.recording:
+        span.end()
+        return
+    tracing = _tracing
+    if tracing is None:  # stopped meanwhile
+        span.end()
+        return
+    epoch, perf, mono = _now_ns()
+
+    def ns(t: float, clock: float = perf) -> int:
+        return epoch - int((clock - t) * 1e9)
+
+    now = epoch
+    context, tracer = trace.context, tracing.tracer
+    failure = None if error is None else tracing.Status(tracing.StatusCode.ERROR, error.code)
+
+    def child(name: str, stamps: tuple[float, float], attributes: dict | None = None, clock: float = perf) -> Any:
+        begun, ended = stamps
+        s = tracer.start_span(name, context=context, attributes=attributes, start_time=ns(begun, clock))
+        if not ended and failure is not None:
+            s.set_status(failure)
+        s.end(end_time=ns(ended, clock) if ended else now)
+        return s
+
+    if trace.read is not None:
+        child("read body", trace.read, {"attend.body.bytes": trace.body_bytes, "attend.body.form": trace.form})
+    if trace.decode is not None:
+        child("decode", trace.decode, {"attend.body.bytes": trace.body_bytes, "attend.body.form": trace.form,
+                                       "attend.decode.where": trace.where})
+    job = trace.job
+    if job is not None:
+        child("queue", (job.enqueued, trace.dequeued), None, mono)
+    batch = trace.batch
+    if batch is not None:  # its share of the run: the batch span's times, already in ns
+        batch_context, begun_ns, ended_ns, requests, rows = batch
+        share = tracer.start_span("infer", context=context, start_time=begun_ns, links=[tracing.Link(batch_context)],
+                                  attributes={"attend.batch.requests": requests, "attend.batch.size": rows,
+                                              "attend.request.rows": job.rows if job is not None else 0})
+        share.end(end_time=ended_ns)
+        if trace.encoded is not None:
+            encoded = trace.encoded
+            s = tracer.start_span("encode", context=tracing.in_context(share), start_time=ns(encoded[0]))
+            s.end(end_time=ns(encoded[1]))
+    if trace.write is not None:
+        child("write", trace.write)
+    attributes, is_error = x.span_end(status)
+    if error is not None:
+        attributes["error.type"] = error.code
+        attributes["attend.error.message"] = error.message[:300]
+    span.set_attributes(attributes)
+    if is_error:
+        span.set_status(tracing.Status(tracing.StatusCode.ERROR, error.code if error is not None else str(status)))
+    span.end()
+
+
+def dequeued(jobs: list[Job], at: float) -> None:
+    """The batcher took `jobs` from the queue at `at` (monotonic)."""
+    for job in jobs:
+        trace = job.trace
+        if trace is not None:
+            trace.dequeued = at
+
+
+def ran(model: LoadedModel, jobs: list[Job], begun: float, start: float, seconds: float, end: float) -> None:
+    """A batch's run (perf_counter stamps: merge from `begun`, the session run from `start` for `seconds`,
+    the slicing and encoding until `end`) as one span, linked to each traced request it served; each of
+    them gets its share (`RequestTrace.batch`). Nothing where none of its requests is traced."""
+    tracing = _tracing
+    traces = [job.trace for job in jobs if job.trace is not None]
+    if tracing is None or not traces:
+        return
+    epoch, perf, _ = _now_ns()
+
+    def ns(t: float) -> int:
+        return epoch - int((perf - t) * 1e9)
+
+    rows = sum(job.rows for job in jobs)
+    weights = any(job.request.return_weights for job in jobs)
+    padded = padded_elements(model, jobs)
+    graph, provider = graph_of(model, weights, sum(job.elements for job in jobs) + padded)
+    attributes = {"attend.model.name": model.name, "attend.model.version": model.config.version,
+                  "attend.execution_provider": provider, "attend.batch.size": rows,
+                  "attend.batch.requests": len(jobs), "attend.batch.padded_elements": padded,
+                  "attend.graph": graph, "attend.batch.weights": weights}
+    links = [tracing.Link(t.span.get_span_context()) for t in traces]
+    begun_ns, end_ns = ns(begun), ns(end)
+    span = tracing.batch_tracer.start_span("batch run", attributes=attributes, links=links, start_time=begun_ns)
+    run = tracing.batch_tracer.start_span("session run", context=tracing.in_context(span), start_time=ns(start),
+                                          attributes={"attend.graph": attributes["attend.graph"]})
+    run.end(end_time=ns(start + seconds))
+    span.end(end_time=end_ns)
+    share = (span.get_span_context(), begun_ns, end_ns, len(jobs), rows)
+    for trace in traces:
+        trace.batch = share
+
+
+def graph_of(model: LoadedModel, weights: bool, elements: int) -> tuple[str, str]:
+    """The graph file a batch of `elements` elements ran and its execution provider: the runtime's choice by
+    size (`graph_for`), asked again (it is a function of its arguments); where the runtime has no such choice,
+    the graph without the weights where no request asked for them and the model has one."""
+    graph_for = getattr(model, "graph_for", None)
+    if graph_for is not None:
+        graph = graph_for(weights, elements)
+        return graph.file, graph.provider
+    if not weights and model.session_without_weights is not None:
+        return model.model_file_without_weights, model.provider
+    return model.model_file or model.config.model_file, model.provider
+
+
+def padded_elements(model: LoadedModel, jobs: list[Job]) -> int:
+    """The elements (inputs and outputs) the padding added: the merged run's less its requests' own."""
+    if len(jobs) == 1:
+        return 0
+    from service.core.merge import product_sum, run_terms
+
+    terms = model.derived.get("run terms")
+    if terms is None:
+        terms = model.derived["run terms"] = run_terms(model)
+    batched, unbatched = terms
+    shape = tuple(map(max, *(job.shape for job in jobs)))
+    rows = sum(job.rows for job in jobs)
+    return rows * product_sum(batched, shape) + product_sum(unbatched, shape) - sum(job.elements for job in jobs)
