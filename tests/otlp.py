@@ -5,7 +5,7 @@ It receives what the SDK's own exporters send (no Collector installs here from P
 check the spans as a real backend gets them. It can be told to answer slowly (`delay`) or to refuse (`refuse`:
 PERMISSION_DENIED over gRPC, 400 over HTTP, neither of which an exporter retries).
 
-    python -m tests.otlp [--grpc-port 4317] [--http-port 4318] [--print]   a receiver on the machine, until ^C
+    python -m tests.otlp [--grpc-port 4317] [--http-port 4318] [--print | --count-only]   one on the machine, until ^C
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ class Span:
 class Receiver:
     """OTLP over gRPC and HTTP on free loopback ports (`grpc_endpoint`, `http_endpoint`); `spans` as they come."""
 
-    def __init__(self, delay: float = 0.0, refuse: bool = False, grpc_port: int = 0, http_port: int = 0):
+    def __init__(self, delay: float = 0.0, refuse: bool = False, grpc_port: int = 0, http_port: int = 0,
+                 keep: bool = True):
         self.delay = delay
+        self.keep = keep  # False: spans counted (`count`), not kept (a benchmark's receiver)
+        self.count = 0
         self.refuse = refuse
         self.spans: list[Span] = []
         self.requests = 0  # Export calls and POSTs received, refused ones too
@@ -82,6 +85,11 @@ class Receiver:
             self.requests += 1
 
     def _take(self, request: pb.ExportTraceServiceRequest, via: str) -> None:
+        if not self.keep:
+            n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+            with self.lock:
+                self.count += n
+            return
         got = []
         for resource_spans in request.resource_spans:
             resource = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}
@@ -97,6 +105,7 @@ class Receiver:
                         events=[e.name for e in s.events]))
         with self.lock:
             self.spans.extend(got)
+            self.count += len(got)
         if self.on_span is not None:
             for span in got:
                 self.on_span(span)
@@ -202,8 +211,9 @@ def main() -> int:
     parser.add_argument("--grpc-port", type=int, default=4317, help="0: a free one")
     parser.add_argument("--http-port", type=int, default=4318, help="0: a free one")
     parser.add_argument("--print", action="store_true", help="a line a span")
+    parser.add_argument("--count-only", action="store_true", help="count the spans, keep none (a benchmark's)")
     args = parser.parse_args()
-    receiver = Receiver(grpc_port=args.grpc_port, http_port=args.http_port).start()
+    receiver = Receiver(grpc_port=args.grpc_port, http_port=args.http_port, keep=not args.count_only).start()
     print(f"receiving OTLP: gRPC on {receiver.grpc_endpoint}, HTTP on {receiver.http_endpoint}/v1/traces", flush=True)
     if args.print:
         receiver.on_span = lambda s: print(f"{s.trace_id} {s.span_id} <- {s.parent or '-':16} {s.kind:8} {s.name} "
@@ -211,7 +221,7 @@ def main() -> int:
     try:
         while True:
             time.sleep(5)
-            print(f"{len(receiver.spans)} spans in {receiver.requests} exports", flush=True)
+            print(f"{receiver.count} spans in {receiver.requests} exports", flush=True)
     except KeyboardInterrupt:
         receiver.stop()
     return 0

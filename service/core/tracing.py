@@ -40,6 +40,7 @@ _SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
              "parentbased_traceidratio")
 _PROTOCOLS = ("grpc", "http/protobuf")
 _EXPORTERS = ("otlp", "console", "none")
+_TRACEPARENT = b"traceparent"  # an HTTP header's key (gRPC metadata's is str)
 # How long the stop waits for the spans still queued to leave (a receiver that is down must not hold it).
 _FLUSH_S = 5.0
 
@@ -345,7 +346,8 @@ def begin(x: Any) -> RequestTrace:
     trace's ids where the caller reads them (`x.traced`) and in its log lines."""
     tracing = _tracing
     assert tracing is not None
-    parent = tracing.propagator.extract(x.headers, getter=tracing.getter)
+    parent = tracing.propagator.extract(x.headers, getter=tracing.getter) if _TRACEPARENT in x.headers \
+        or "traceparent" in x.headers else None
     name, attributes, form = x.span_start()
     arrived = x.arrived
     start = None
@@ -356,9 +358,10 @@ def begin(x: Any) -> RequestTrace:
                                      start_time=start)
     sc = span.get_span_context()
     trace_id, span_id = f"{sc.trace_id:032x}", f"{sc.span_id:016x}"
-    sampled = bool(sc.trace_flags.sampled)
-    trace = RequestTrace(span, tracing.in_context(span), f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}",
-                         f"trace_id={trace_id} span_id={span_id}", span.is_recording())
+    recording = span.is_recording()
+    trace = RequestTrace(span, tracing.in_context(span) if recording else None,
+                         f"00-{trace_id}-{span_id}-{'01' if sc.trace_flags.sampled else '00'}",
+                         f"trace_id={trace_id} span_id={span_id}", recording)
     trace.form = form
     trace.token = trace_ids.set(trace.ids)
     x.traced(trace.header)
