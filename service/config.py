@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     # TF32 matmuls on the GPU differ from fp32 by ~1e-3; off unless asked for.
     cuda_tf32: bool = False
     warmup: bool = True
+    # The warm-up's time, a model with several graphs, to find which runs a batch fastest by its size on this
+    # machine (service.core.choice); 0: the fixed choice, and no sessions besides it.
+    graph_timing_s: float = Field(0.5, ge=0, le=60, description="warm-up seconds a model to time its graphs; 0: off")
     # A model that cannot be loaded stops the service, unless this is set: then it is skipped,
     # named in the log and in GET /models, and requests for it get 503.
     skip_broken_models: bool = False

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core.choice import device_steps, step
 from service.core.cost import answer, device_run
 from service.core.request import Request
 from service.core.runtime import LoadedModel
@@ -40,7 +41,7 @@ class Job:
     or n, and the free feature sizes); `shape` the same but batch, in the signature's order; `key`
     the sizes no batch pads (requests of one key may merge); `elements` those of its run's inputs
     and outputs (`RunCost`); `cost` and `device` what it holds in host memory and in the execution
-    provider's (service.core.cost)."""
+    provider's (service.core.cost), the latter by the graphs its batch may run (service.core.choice)."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
                  "n_k", "key", "cost", "device", "shape", "elements", "trace")
@@ -64,7 +65,7 @@ class Job:
         weights = request.return_weights
         self.cost = costs[0] if weights else costs[1]  # the weights in the answer, or not
         self.device = costs[2]
-        if costs[3]:  # a graph without the weights that keeps no scores runs where no job asks for them...
+        if costs[3] is not None:  # a graph without the weights that keeps no scores may run where no job wants them...
             lens = request.feed["valid_lens"]
             # ... and the lengths are one an example (the fused kernel's key lengths; a mask per query is
             # a bias as large as the scores): so jobs merge only with their like.
@@ -84,7 +85,11 @@ class SizePlan:
     outputs: tuple[tuple[int, tuple[str, ...], bool], ...]  # an output's fixed sizes' product, its named axes,
     # whether it is the attention weights
     hidden: int  # the numbers a weight is computed from (additive attention's num_hiddens; else 0)
-    linear: bool  # its graph without the weights keeps no score matrix (a fused kernel on CUDA)
+    linear: bool  # a graph that may run a batch without the weights keeps no score matrix (a fused kernel on CUDA)
+    # What a batch holds in the execution provider's memory, by a job's elements (service.core.choice.device_steps):
+    # of a job that returns no weights and whose lengths are one an example, and of any other.
+    device_linear: tuple[tuple[int, int], ...]
+    device_other: tuple[tuple[int, int], ...]
 
     @staticmethod
     def of(model: LoadedModel) -> SizePlan:
@@ -97,18 +102,20 @@ class SizePlan:
                              tuple(d for d in spec.shape if d.__class__ is str), spec.name == "attention_weights")
                             for spec in model.outputs)
             hidden = int(model.config.hyperparameters.get("num_hiddens", 0)) if model.kind == "additive" else 0
-            linear = model.session_without_weights is not None and model.provider == "CUDAExecutionProvider"
+            linear = any(g.linear for _, g in model.choice[False])
             plan = model.derived["job sizes"] = SizePlan(reads, tuple(a for a in order if a in fixed),
                                                          tuple(a for a in order if a != "batch"), outputs, hidden,
-                                                         linear)
+                                                         linear, *device_steps(model))
         return plan
 
 
-def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int, int, int],
+def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int, int, int | None],
                                         tuple[int, ...], int]:
     """A Job's axes, rows, n_q, n_k, key, costs, shape and elements, from its request's shapes. Its costs:
     in host memory with the weights in the answer and without (service.core.cost.answer); in the execution
-    provider's, of the graph with the weights and of a graph without that keeps no scores (0: none runs)."""
+    provider's, of the graphs its batch may run at its size or larger (service.core.choice.device_steps): as
+    any job, and as one that returns no weights with lengths one an example, where a graph without the
+    weights that keeps no scores may run (None: none may)."""
     plan = SizePlan.of(request.model)
     feed = request.feed
     axes = {axis: feed[name].shape[i] for name, i, axis in plan.reads}
@@ -122,9 +129,12 @@ def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, t
         outputs += size
         if is_weights:
             weights = size
+    full = device_run(elements, outputs, weights, plan.hidden)
+    linear = device_run(elements, outputs, weights, 0, False) if plan.linear else 0
+    total = elements + outputs
     costs = (answer(elements, outputs, weights, plan.hidden), answer(elements, outputs, weights, plan.hidden, False),
-             device_run(elements, outputs, weights, plan.hidden),
-             device_run(elements, outputs, weights, 0, False) if plan.linear else 0)
+             (0, full, full)[step(plan.device_other, total)],
+             (0, linear, full)[step(plan.device_linear, total)] if plan.linear else None)
     return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), costs,
             tuple([axes[a] for a in plan.others]), elements + outputs)
 

@@ -94,15 +94,18 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
     begun = time.perf_counter()
     same = len(jobs) > 1 and same_shapes(jobs)
     feed = merge(model, jobs, same)
-    # The graph without the weights where no job returns them (LoadedModel.run).
+    # The graph for a batch of its size that returns the weights, or none where no job returns them
+    # (service.core.choice); its elements are its jobs' where nothing is padded.
     weights = any(job.request.return_weights for job in jobs)
+    graph = model.graph_for(weights, jobs[0].elements if len(jobs) == 1 else sum(j.elements for j in jobs)
+                            if same else model.elements_of(feed))
     start = time.perf_counter()
     try:
-        outputs = model.run(feed, weights)
+        outputs = graph.run(feed, weights)
     except Exception as e:
         if _OUT_OF_MEMORY.search(str(e)):  # the session and the process live on: only this batch failed
             raise OutOfDeviceMemory(f"the run of {len(jobs)} request(s) did not fit in the memory of "
-                                    f"{model.provider}", headers={"Retry-After": "1"}) from None
+                                    f"{graph.provider}", headers={"Retry-After": "1"}) from None
         raise
     seconds = time.perf_counter() - start
     metrics.model(model.name).inference.observe(seconds)

@@ -6,25 +6,21 @@ dtypes and shapes) before it is used, and warmed up before the service reports r
 Which file: a session on the CPU execution provider runs the model's CPU graph where config.json has
 one (`variants["cpu"]`: ONNX's `Attention` operator, export.fused), every other session model.onnx.
 ONNX Runtime's CUDA kernel of `Attention` cannot return the weights (NOT_IMPLEMENTED), so the CPU graph
-is never offered to CUDA: a session is opened on it only when the CPU alone runs it. Beside it, the graph
-without the weights of the provider that runs, where config.json names one, for the batches that return
-none: `variants["cpu_outputs"]` on the CPU, `variants["cuda_outputs"]` on CUDA (its `Attention` on CUDA's
-fused kernels, which write no score matrix).
+is never offered to CUDA. Beside it, the graph without the weights of the provider that runs, where
+config.json names one, for the batches that return none: `variants["cpu_outputs"]` on the CPU,
+`variants["cuda_outputs"]` on CUDA (its `Attention` on CUDA's fused kernels, which write no score matrix).
+That is the fixed choice. Where the warm-up times the graphs (ATTEND_GRAPH_TIMING_S), the other graphs
+of the version are opened beside them, and each batch runs the fastest for its size on this machine
+(service.core.choice).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import importlib.util
 import logging
-import os
-import re
-import sys
-import tempfile
+import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,32 +30,32 @@ import onnxruntime as ort
 
 from export.repository import (
     CONFIG_FILE,
-    CPU_GRAPH_LOG_SEVERITY,
     NAME_RULE,
     ModelConfig,
     TensorSpec,
-    example_feed,
     list_models,
     list_versions,
     one_head_axis,
     read_config,
-    sha256_of,
-    shape_agrees,
-    without_head_axis,
 )
 from export.repository import model_dir as folder_of
+from service.core.choice import Graph, Ladder, Timings, describe_ladders, fixed_choice, pick, warm_up
+from service.core.choice import describe as describe_choice
+from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError, _stderr_captured: named here too)
+    CPU,
+    CUDA,
+    StartupError,
+    _check_file,
+    _check_signature,
+    _open,
+    _preload_cuda,
+    _stderr_captured,
+    _without_paths,
+    providers_for,
+)
 from service.core.statistics import ModelStatistics
 
 log = logging.getLogger("service")
-
-CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
-_RUN_OPTIONS = ort.RunOptions()
-_ORT_TYPES = {"float32": "tensor(float)", "int64": "tensor(int64)"}
-
-
-class StartupError(RuntimeError):
-    """The service cannot start as configured; the message is the one-line reason."""
-
 
 @dataclass
 class LoadedModel:
@@ -77,6 +73,11 @@ class LoadedModel:
     # weights runs (`run`).
     session_without_weights: ort.InferenceSession | None = None
     model_file_without_weights: str = ""  # its file, relative to the model's folder
+    # Every graph a batch may run (service.core.choice), the two above first; and which runs a batch, by whether
+    # it returns the weights and by its size.
+    graphs: list[Graph] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    choice: dict[bool, Ladder] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    timings: Timings | None = dataclasses.field(default=None, repr=False, compare=False)  # the warm-up's
     # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
     # (its _Plan): they go with the snapshot, as its signature does.
     body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -145,25 +146,48 @@ class LoadedModel:
     def head_axis(self) -> str | None:
         """The output the session gives with an axis of its one head that config.json does not declare
         (dot_product's weights from its CPU graph: export.repository.one_head_axis), or None."""
+        return self.head_axis_of(self.session)
+
+    def head_axis_of(self, session: ort.InferenceSession) -> str | None:
         declared = {s.name: s.shape for s in self.outputs}
-        return next((o.name for o in self.session.get_outputs() if o.name in declared
+        return next((o.name for o in session.get_outputs() if o.name in declared
                      and one_head_axis(list(o.shape), declared[o.name])), None)
 
-    def run(self, feed: dict[str, np.ndarray], weights: bool = True) -> dict[str, np.ndarray]:
-        """Every output of the graph by name (`outputs`, `attention_weights`, and `P` for the
-        positional encoding); with `weights` False, where the model has a graph without
-        attention_weights, that graph's outputs (it does not copy the weights out: 5-18% less time from
-        n = 128, `python bench/compute.py`). Thread-safe: ORT allows concurrent Run on one session (and a
-        RunOptions is only read by it). ONNX Runtime's public API: with a RunOptions given (ORT makes one
-        a call otherwise) it costs the book's toy request ~1 us more than the private C++ session's run
-        did, IO binding ~5 us more (`python bench/ort_call.py`, docs/benchmarks.md)."""
-        if not weights and self.session_without_weights is not None:
-            names = self._output_names_without_weights
-            return dict(zip(names, self.session_without_weights.run(names, feed, _RUN_OPTIONS), strict=True))
-        outputs = dict(zip(self._output_names, self.session.run(self._output_names, feed, _RUN_OPTIONS), strict=True))
-        if self.head_axis is not None:  # as config.json declares it: a view
-            outputs[self.head_axis] = without_head_axis(outputs[self.head_axis])
-        return outputs
+    def graph(self, session: ort.InferenceSession, file: str, provider: str, linear: bool = False) -> Graph:
+        """`session` (on `file` of this version) as a graph a batch may run."""
+        names = [o.name for o in session.get_outputs()]
+        return Graph(file, provider, session, names, "attention_weights" in names, self.head_axis_of(session), linear)
+
+    def run(self, feed: dict[str, np.ndarray], weights: bool = True, elements: int | None = None
+            ) -> dict[str, np.ndarray]:
+        """Every output of the graph that runs a batch of this size (`elements`: its inputs' and outputs', from
+        the feed where not given): `outputs`, `attention_weights` unless `weights` is False, `P` for the
+        positional encoding. Thread-safe: ORT allows concurrent Run on one session (and a RunOptions is
+        only read by it). ONNX Runtime's public API: with a RunOptions given (ORT makes one a call
+        otherwise) it costs the book's toy request ~1 us more than the private C++ session's run did, IO
+        binding ~5 us more (`python bench/ort_call.py`, docs/benchmarks.md)."""
+        return self.graph_for(weights, self.elements_of(feed) if elements is None else elements).run(feed, weights)
+
+    def graph_for(self, weights: bool, elements: int) -> Graph:
+        """The graph that runs a batch that returns the weights (or not) of `elements` elements."""
+        ladder = self.choice[weights]
+        return ladder[0][1] if len(ladder) == 1 else pick(ladder, elements)
+
+    @functools.cached_property
+    def _output_terms(self) -> list[tuple[int, tuple[tuple[str, int], ...]]]:
+        """Each output's fixed sizes' product, and where each of its named axes is read in the inputs."""
+        where = {axis: (name, i) for name, named in reversed(self.named_input_axes) for i, axis in named}
+        return [(math.prod(d for d in spec.shape if d.__class__ is int),
+                 tuple(where[d] for d in spec.shape if d.__class__ is str)) for spec in self.outputs]
+
+    def elements_of(self, feed: dict[str, np.ndarray]) -> int:
+        """A run's elements, its inputs' and outputs' (the weights counted, returned or not), as a Job counts them."""
+        total = sum([a.size for a in feed.values()])
+        for fixed, reads in self._output_terms:
+            for name, i in reads:
+                fixed *= feed[name].shape[i]
+            total += fixed
+        return total
 
     def describe(self) -> dict[str, Any]:
         hp = self.config.hyperparameters
@@ -181,8 +205,11 @@ class LoadedModel:
             "model_file": self.model_file or self.config.model_file,
             "opset": self.opset or self.config.opset,
             "sha256": self.sha256 or self.config.sha256,
-            # What a batch that returns no weights runs, where it is another graph (else model_file).
+            # What a batch that returns no weights runs without timing, where it is another graph (else model_file).
             "model_file_without_weights": self.model_file_without_weights or None,
+            # What runs a batch, by whether it returns the weights and by its size; and the warm-up's times.
+            "graphs": describe_choice(self.choice),
+            "graph_timings": self.timings.describe() if self.timings is not None else None,
         }
 
 
@@ -201,166 +228,15 @@ def feature_sizes(config: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def providers_for(device: str, cuda_tf32: bool) -> list[Any]:
-    cuda = (CUDA, {"use_tf32": "1" if cuda_tf32 else "0"})
-    if device == "cpu":
-        return [CPU]
-    if device == "cuda":
-        return [cuda]
-    return [cuda, CPU] if CUDA in ort.get_available_providers() else [CPU]
-
-
-def _preload_cuda() -> None:
-    # With onnxruntime-gpu[cuda,cudnn] the CUDA and cuDNN libraries are pip wheels (the `nvidia`
-    # namespace package); this loads them. Without them, CUDA may still come from the system.
-    preload = getattr(ort, "preload_dlls", None)
-    if preload is not None and importlib.util.find_spec("nvidia") is not None:
-        try:
-            preload()
-        except Exception as e:  # a machine without the wheels: CUDA may still load from the system
-            log.debug("onnxruntime.preload_dlls failed: %s", e)
-
-
-@contextlib.contextmanager
-def _stderr_captured() -> Iterator[list[str]]:
-    """What the process writes to fd 2 meanwhile (ONNX Runtime logs from C++, past Python's logging):
-    the list holds it once the block is left."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    captured: list[str] = []
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            captured.append(tmp.read().decode(errors="replace"))
-
-
-def _cuda_failure(ort_log: str) -> str:
-    """The reason ONNX Runtime gave for not loading CUDA, in one line (its log has colours and paths)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", ort_log)
-    found = re.search(r"Failed to load library \S+ with error: ([^\n]+)", text)
-    if found:
-        return found.group(1).strip()
-    found = re.search(r"\[E:onnxruntime[^\]]*\] ([^\n]+)", text)
-    return found.group(1).strip()[:300] if found else "no reason logged"
-
-
-def _new_session(path: Path, options: ort.SessionOptions, providers: list[Any]) -> tuple[ort.InferenceSession, str]:
-    """The session, and why CUDA was not loaded when it was asked for and the session fell back.
-
-    Where CUDA cannot load, ONNX Runtime logs a red error and a warning, then runs on the CPU: on a
-    machine without a GPU that is the expected outcome, said once by the caller in one line, so its
-    log is captured here rather than shown."""
-    if CUDA not in str(providers):
-        return ort.InferenceSession(str(path), sess_options=options, providers=providers), ""
-    with _stderr_captured() as captured:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
-    if session.get_providers()[0] == CUDA:
-        sys.stderr.write(captured[0])  # nothing to hide: pass on whatever it said
-        return session, ""
-    return session, _cuda_failure(captured[0])
-
-
-def _check_signature(model: LoadedModel, session: ort.InferenceSession | None = None) -> None:
-    """That the session's (or `session`'s: the graph without the weights) inputs and outputs are
-    config.json's (but attention_weights, for that graph)."""
-    weights = session is None
-    session = session or model.session
-    got_in = [(i.name, i.type, list(i.shape)) for i in session.get_inputs()]
-    want_in = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.input_specs()]
-    got_out = [(o.name, o.type, list(o.shape)) for o in session.get_outputs()]
-    want_out = [(s.name, _ORT_TYPES[s.dtype], list(s.shape)) for s in model.config.output_specs()
-                if weights or s.name != "attention_weights"]
-
-    def agree(got: list[tuple[str, str, list]], want: list[tuple[str, str, list]], outputs: bool = False) -> bool:
-        # An output may have the axis of a one-head Attention node's weights besides (`LoadedModel.run` views it away).
-        return len(got) == len(want) and all(
-            g[:2] == w[:2] and (shape_agrees(g[2], w[2]) or outputs and one_head_axis(g[2], w[2]))
-            for g, w in zip(got, want, strict=False))
-
-    if not (agree(got_in, want_in) and agree(got_out, want_out, outputs=True)):
-        raise StartupError(
-            f"model {model.name}: the graph's inputs/outputs {got_in + got_out} do not match config.json "
-            f"{want_in + want_out}"
-        )
-
-
-# The warm-up's sizes: a small request (the book's examples' size), and one with a few hundred times its
-# elements (a run several times as long: its difference from the small one is not lost in a loaded
-# machine's noise).
-_WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8},
-               {"batch": 16, "n_q": 32, "n_k": 32, "n": 32, "d": 32, "value_size": 32})
-_TIMED_RUNS = 7
-
-
-def warm_up(model: LoadedModel) -> None:
-    """Runs on a small and a larger input, so the first client does not pay for allocation; then each
-    timed a few times, the two in turn (a burst of load slows both), the fastest of each kept in
-    `model.run_times`: for the batcher to know from the first request what a run of this model costs
-    (a few ms a model)."""
-    rng = np.random.default_rng(0)
-    feeds = [example_feed(model.kind, model.config.hyperparameters, sizes, rng) for sizes in _WARM_SIZES]
-    elements = []
-    for feed in feeds:
-        outputs = model.run(feed)
-        elements.append(sum(a.size for a in feed.values()) + sum(a.size for a in outputs.values()))
-        model.run(feed, weights=False)  # the graph without the weights, where there is one
-    fastest = [float("inf")] * len(feeds)
-    for _ in range(_TIMED_RUNS):
-        for i, feed in enumerate(feeds):
-            start = time.perf_counter()
-            model.run(feed)
-            fastest[i] = min(fastest[i], time.perf_counter() - start)
-    model.run_times.extend(zip(elements, fastest, strict=True))
-
-
-def _session_options(intra_op_threads: int) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = intra_op_threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return options
-
-
-def _check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int]) -> None:
-    """That the file of `graph` ((file, sha256, opset) from config.json) is there and has the sha256 that
-    config.json names."""
-    file, sha256, _ = graph
-    path = model_dir / file
-    relative = f"{model_dir.name}/{file}"
-    if not path.is_file():
-        raise StartupError(f"model {config.name}: {relative} is missing")
-    digest = sha256_of(path)
-    if digest != sha256:
-        raise StartupError(f"model {config.name}: sha256 of {relative} is {digest}, config.json says {sha256}")
-
-
-def _open(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], intra_op_threads: int,
-          providers: list[Any]) -> tuple[ort.InferenceSession, str]:
-    """A session on `graph`, and why CUDA was not loaded, where it was asked for."""
-    options = _session_options(intra_op_threads)
-    if graph != config.graph_for(cpu=False):  # a model.cpu.onnx (export.repository.CPU_GRAPH_LOG_SEVERITY)
-        options.log_severity_level = CPU_GRAPH_LOG_SEVERITY
-    try:
-        return _new_session(model_dir / graph[0], options, providers)
-    except Exception as e:
-        raise StartupError(f"model {config.name}: ONNX Runtime cannot load {model_dir.name}/{graph[0]}: "
-                           f"{_without_paths(str(e), model_dir)}") from e
-
-
 def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, require_cuda: bool,
-               version: int | None = None) -> LoadedModel:
+               version: int | None = None, candidates: bool = False) -> LoadedModel:
     """A session for the model's newest version (or `version`), checked against its config.json: on the
     CPU graph where only the CPU execution provider is asked for, or where CUDA was asked for and ONNX
     Runtime fell back to the CPU; on model.onnx otherwise; beside it, one on the graph without the weights
-    for that provider, where there is one. Every file config.json names must have the sha256 it names, the
-    ones not served too: a version is served whole or not at all. Errors name files relative to the
-    repository: they reach clients (GET /models, the load route)."""
+    for that provider, where there is one; with `candidates`, the CPU execution provider's sessions of the
+    CPU's graphs and of model.onnx besides (service.core.choice times them all). Every file config.json names
+    must have the sha256 it names, the ones not served too: a version is served whole or not at all. Errors
+    name files relative to the repository: they reach clients (GET /models, the load route)."""
     shown = f"{model_dir.name}/{version}" if version is not None else model_dir.name
     try:
         config = read_config(model_dir, version)
@@ -397,12 +273,19 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
                                f"{provider}, which runs {model_dir.name}/{graph[0]}")
         model.session_without_weights, model.model_file_without_weights = outputs_session, outputs_graph[0]
         _check_signature(model, outputs_session)
+    model.graphs.append(model.graph(session, graph[0], provider))
+    if model.session_without_weights is not None:
+        model.graphs.append(model.graph(model.session_without_weights, model.model_file_without_weights, provider,
+                                        linear=provider == CUDA))
+    if candidates:
+        opened = {(g.file, g.provider) for g in model.graphs}
+        for other in dict.fromkeys(g for g in (cpu_graph, without_weights, portable) if g is not None):
+            if (other[0], CPU) not in opened:
+                cpu_session, _ = _open(model_dir, config, other, intra_op_threads, [CPU])
+                _check_signature(model, cpu_session, weights=other != without_weights)
+                model.graphs.append(model.graph(cpu_session, other[0], CPU))
+    model.choice = fixed_choice(model.graphs, "attention_weights" in model.output_names)
     return model
-
-
-def _without_paths(text: str, model_dir: Path) -> str:
-    """A library's message with the repository's location taken out (it is the server's business)."""
-    return text.replace(str(model_dir.parent.resolve()) + "/", "").replace(str(model_dir.parent) + "/", "")
 
 
 @dataclass
@@ -414,6 +297,7 @@ class Loader:
     intra_op_threads: int
     cuda_tf32: bool = False
     warmup: bool = True
+    graph_timing_s: float = 0.0  # the warm-up's time to choose among a model's graphs; 0: the fixed choice
 
     def __post_init__(self) -> None:
         if self.device != "cpu":
@@ -429,11 +313,12 @@ class Loader:
         if not (model_dir / CONFIG_FILE).is_file():
             raise StartupError(f"model {name}: no such model in the repository (no {name}/{CONFIG_FILE})")
         start = time.perf_counter()
+        timing = self.graph_timing_s if self.warmup else 0.0
         model = load_model(model_dir, self.providers, self.intra_op_threads, require_cuda=self.device == "cuda",
-                           version=version)
+                           version=version, candidates=timing > 0)
         if self.warmup:
             try:
-                warm_up(model)
+                warm_up(model, timing)
             except Exception as e:  # warm-up failing is the model's fault too
                 raise StartupError(f"model {name}: warm-up failed: {_without_paths(str(e), model_dir)}") from e
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
@@ -442,6 +327,8 @@ class Loader:
             self.providers = [CPU]
         log.info("loaded model %s (%s, version %d, %s) on %s in %.2fs", model.name, model.kind, model.config.version,
                  model.model_file, model.provider, time.perf_counter() - start)
+        if model.timings is not None:
+            log.info("model %s runs %s", model.name, describe_ladders(model.choice))
         return model
 
     def newest(self, name: str) -> int | None:
@@ -522,16 +409,17 @@ class Registry:
 
     @classmethod
     def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
-             warmup: bool = True, skip_broken: bool = False) -> Registry:
+             warmup: bool = True, skip_broken: bool = False, graph_timing_s: float = 0.0) -> Registry:
         """Load and warm up every model. A model that cannot be served stops the load with a
         StartupError (one line: which model, what is wrong), or with `skip_broken` is left out
-        and named in `broken`; a repository with nothing to serve is always an error."""
+        and named in `broken`; a repository with nothing to serve is always an error. `graph_timing_s`:
+        Loader's (the service's setting is ATTEND_GRAPH_TIMING_S; this default, the fixed choice)."""
         if not repository.is_dir():
             raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
         dirs = list_models(repository)
         if not dirs:
             raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
-        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup)
+        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s)
         models: dict[str, LoadedModel] = {}
         broken: dict[str, str] = {}
         for model_dir in dirs:

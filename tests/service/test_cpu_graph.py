@@ -71,7 +71,9 @@ def test_the_service_serves_the_cpu_graph_with_the_oracles_numbers(repo):
     torch.manual_seed(0)  # the exporter's default seed: the served weights
     mha = build_module("multi_head", default_hyperparameters("multi_head"))
     W = [getattr(mha, name).weight.detach().double().numpy() for name in ("W_q", "W_k", "W_v", "W_o")]
-    with running_service(repo) as (url, _):
+    # The fixed choice (ATTEND_GRAPH_TIMING_S=0): the CPU graph for every size, its twin for no weights (the
+    # timed choice has its own tests: tests/service/test_graph_choice.py).
+    with running_service(repo, ATTEND_GRAPH_TIMING_S="0") as (url, _):
         for name in ("additive", *FUSED):
             described = httpx.get(f"{url}/models/{name}", timeout=10).json()
             config = _config(repo, name)
@@ -247,7 +249,7 @@ def test_auto_serves_the_graph_of_the_provider_that_runs(repo):
 def test_a_new_version_loads_with_its_cpu_graph_and_a_broken_one_is_refused(repo):
     Q = np.random.default_rng(1).normal(size=(2, 3, 100)).round(3).tolist()
     body = {"model": "multi_head", "queries": Q, "keys": Q, "values": Q, "valid_lens": [[0, 2, 3], [3, 1, 0]]}
-    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1") as (url, _):
+    with running_service(repo, ATTEND_ADMIN_KEYS="admin-key-1", ATTEND_GRAPH_TIMING_S="0") as (url, _):
         assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
         response = httpx.post(f"{url}/v2/repository/models/multi_head/load", headers=ADMIN, timeout=60)
         assert response.status_code == 200, response.text
@@ -275,7 +277,8 @@ def test_a_new_version_loads_with_its_cpu_graph_and_a_broken_one_is_refused(repo
 def test_a_batch_without_weights_runs_the_graph_without_them(repo):
     """LoadedModel.run(feed, weights=False): the session of model.cpu.outputs.onnx, which has no
     attention_weights, gives the CPU graph's outputs to the bit, lengths per example and per query; a
-    model without that graph (additive; a version from before it) runs its one graph."""
+    model without that graph (additive; a version from before it) runs its one graph, without fetching the
+    weights."""
     registry = Registry.load(repo, "cpu", 1)
     rng = np.random.default_rng(4)
     for name in FUSED:
@@ -295,9 +298,10 @@ def test_a_batch_without_weights_runs_the_graph_without_them(repo):
             assert set(whole) == {"outputs", "attention_weights"} and set(alone) == {"outputs"}
             np.testing.assert_array_equal(alone["outputs"], whole["outputs"])
     assert registry.get("additive").session_without_weights is None
-    assert set(registry.get("additive").run(example_feed("additive", default_hyperparameters("additive"), {
-        "batch": 1, "n_q": 2, "n_k": 3, "d": 4, "value_size": 5}, rng), weights=False)) == {
-        "outputs", "attention_weights"}
+    additive = registry.get("additive")  # its one graph runs, and its weights are not fetched
+    assert set(additive.run(example_feed("additive", default_hyperparameters("additive"), {
+        "batch": 1, "n_q": 2, "n_k": 3, "d": 4, "value_size": 5}, rng), weights=False)) == {"outputs"}
+    assert [g.file for g in additive.graphs] == ["1/model.onnx"]
     config = _config(repo, "dot_product")
     del config["variants"]["cpu_outputs"]  # as exported before it
     _write_config(repo, "dot_product", config)

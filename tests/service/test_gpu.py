@@ -167,7 +167,9 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
 
     total = total_memory()
     assert total and total > 1 << 30, "NVML must read the GPU's memory: nvidia-ml-py (the gpu extra)"
-    settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1)
+    # The fixed choice: a batch without weights runs the fused graph at every size (the timed choice costs a
+    # job by the graphs its batch may run: test_the_timed_choice_on_cuda).
+    settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1, graph_timing_s=0)
     with TestClient(create_app(settings)) as client:
         assert client.app.state.dataplane.device_budget.limit == int(total * SHARE) - WORKER_BYTES
     limited = settings.model_copy(update={"max_device_bytes": run_bytes(64)})
@@ -182,3 +184,61 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
         outputs_only = client.post("/attend", json=body)
         assert outputs_only.status_code == 200, outputs_only.text
         assert client.app.state.dataplane.device_budget.used == 0
+
+
+def test_the_timed_choice_on_cuda(repository):
+    """The warm-up's timing (the service's default; 1 s a model here) on CUDA: the book's tiny additive request
+    runs on a CPU session beside CUDA (small runs cost less there, and the shared GPU nothing), a long
+    outputs-only dot_product request (1 x 16384 x 16384 x 64) on CUDA's fused graph, its device cost linear;
+    both answer the CPU's numbers. `-s` prints each model's ladder and times."""
+    import json
+
+    import onnxruntime as ort
+    import orjson
+
+    from service.core.choice import describe_ladders
+    from service.core.cost import device_run
+    from service.core.jobs import Job
+    from service.core.merge import run_batch
+    from service.core.metrics import Metrics
+    from service.core.request import Request
+    from service.http.schemas import toy_request
+    from service.protocols.attend import decode_body, encode_attend
+
+    if CUDA not in ort.get_available_providers():
+        pytest.skip("no CUDA execution provider in this onnxruntime (onnxruntime-gpu is needed)")
+    try:
+        registry = Registry.load(repository, "cuda", 1, graph_timing_s=1.0)
+    except Exception as e:  # as cuda_registry: the load says why CUDA cannot be used
+        pytest.skip(f"CUDA cannot be used here: {e}")
+    for name in registry.names():
+        model = registry.get(name)
+        print(f"{name}: {describe_ladders(model.choice)}")
+        for row in model.timings.describe() if model.timings else []:
+            print("   ", row)
+    additive = registry.get("additive")
+    assert [(g.file, g.provider) for g in additive.graphs] == [("1/model.onnx", CUDA), ("1/model.onnx", CPU)]
+    job = Job(decode_body(json.dumps(toy_request()).encode(), registry), float("inf"), encode=encode_attend)
+    graph = additive.graph_for(True, job.elements)
+    assert graph.provider == CPU, describe_ladders(additive.choice)
+    results, _ = run_batch(additive, [job], Metrics())
+    assert graph.runs == 1
+    np.testing.assert_allclose(orjson.loads(results[0])["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
+
+    model = registry.get("dot_product")
+    n, d, length = 16384, 64, 16000
+    rng = np.random.default_rng(0)
+    feed = {name: rng.standard_normal((1, n, d), dtype=np.float32) for name in ("queries", "keys", "values")}
+    feed["valid_lens"] = np.full((1, n), length, np.int64)
+    job = Job(Request(model, feed, False), float("inf"), encode=encode_attend)
+    graph = model.graph_for(False, job.elements)
+    assert (graph.file, graph.provider) == ("1/model.cuda.outputs.onnx", CUDA), describe_ladders(model.choice)
+    assert job.device == device_run(3 * n * d + n, n * d + n * n, n * n, 0, False)  # no score matrix
+    results, _ = run_batch(model, [job], Metrics())
+    assert graph.runs == 1
+    got = np.asarray(orjson.loads(results[0])["outputs"])[0, :4]
+    q, k, v = (feed[name][0].astype(np.float64) for name in ("queries", "keys", "values"))
+    scores = q[:4] @ k[:length].T / np.sqrt(d)
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    want = (weights / weights.sum(axis=1, keepdims=True)) @ v[:length]
+    np.testing.assert_allclose(got, want, rtol=FUSED_TOLERANCE, atol=FUSED_TOLERANCE)

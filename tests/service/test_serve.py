@@ -43,7 +43,10 @@ def serve_url(repository):
     from service.serve import Attend
 
     deployment = yaml.safe_load(CONFIGS[0].read_text())["applications"][0]["deployments"][0]
-    env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning"}
+    # The fixed choice of graphs: with the warm-up's timing each process would choose on its own times, and
+    # GET /models would differ from the app's in this process.
+    env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning",
+           "ATTEND_GRAPH_TIMING_S": "0"}
     port = free_port()
     # Ray puts the driver's working directory on its workers' sys.path: the replicas import `service` from here.
     cwd = os.getcwd()
@@ -68,7 +71,7 @@ def serve_url(repository):
 @pytest.fixture(scope="module")
 def in_process(repository):
     """The same app in this process (TestClient runs its lifespan): the reference for errors and routes."""
-    settings = Settings(model_repository=repository, device="cpu", intra_op_threads=1)
+    settings = Settings(model_repository=repository, device="cpu", intra_op_threads=1, graph_timing_s=0)
     with TestClient(create_app(settings)) as client:
         yield client
 
