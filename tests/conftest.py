@@ -6,6 +6,9 @@ import pytest
 # Every service a test starts serves gRPC only where the test gives it a port (tests/service/test_grpc.py
 # gives a free one): the default, 8001, would be wanted by every run on the machine at once.
 os.environ.setdefault("ATTEND_GRPC_PORT", "0")
+# The tests' own setting, taken out of the environment the services they start inherit: a service refuses to
+# start on an ATTEND_* variable that is not one of its settings.
+TEST_REPOSITORY = os.environ.pop("ATTEND_TEST_REPOSITORY", "")
 
 
 @pytest.fixture(scope="session")
@@ -15,8 +18,8 @@ def repository(tmp_path_factory):
     from export.cli import main
 
     path = tmp_path_factory.mktemp("repo") / "model_repository"
-    if os.environ.get("ATTEND_TEST_REPOSITORY"):
-        shutil.copytree(os.environ["ATTEND_TEST_REPOSITORY"], path)
+    if TEST_REPOSITORY:
+        shutil.copytree(TEST_REPOSITORY, path)
         return path
     assert main(["--repository", str(path)]) == 0
     return path

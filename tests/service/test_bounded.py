@@ -48,26 +48,49 @@ while not stop.is_set():
     time.sleep(0.01)
 print(f"{1e3 * longest:.1f} {answers}")
 """
+# The same loop with nothing to ask: its longest wait between two turns (ms) is what the machine alone (its
+# other processes, this test's clients) did to a process at the poller's priority in the same seconds.
+_CANARY = r"""
+import sys, threading, time
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+last, longest = time.monotonic(), 0.0
+while not stop.is_set():
+    time.sleep(0.01)
+    now = time.monotonic(); longest = max(longest, now - last - 0.01); last = now
+print(f"{1e3 * longest:.1f}")
+"""
 
 
 class HealthPoller:
     """A process of its own asking /health/live every 10 ms (none of this test's threads hold its GIL),
     ahead of the test's clients for the CPU (nice -10 where it may: as root; the clients' threads at +10,
     `lower_priority`): on two cores shared with eight clients sending and parsing megabytes, the probe's
-    own turn for the CPU, not the service, made gaps of up to 330 ms (poller at -15: at most 130)."""
+    own turn for the CPU, not the service, made gaps of up to 330 ms (poller at -15: at most 130). Beside
+    it, at the same priority, a canary (`_CANARY`): the machine's own share of the gaps, for the bar."""
 
     def __init__(self, url: str):
         host, port = url.removeprefix("http://").split(":")
         ahead = ("nice", "-n", "-10") if os.geteuid() == 0 else ()
         self.proc = subprocess.Popen([*ahead, sys.executable, "-c", _POLLER, host, port], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
+        self.canary = subprocess.Popen([*ahead, sys.executable, "-c", _CANARY], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
 
-    def stop(self) -> tuple[float, int]:
-        """(the longest gap in ms, the answers)."""
+    def stop(self) -> tuple[float, int, float]:
+        """(the longest gap in ms, the answers, the canary's longest wait in ms)."""
         out, _ = self.proc.communicate("", timeout=30)
-        assert self.proc.returncode == 0, out
+        waited, _ = self.canary.communicate("", timeout=30)
+        assert self.proc.returncode == 0 == self.canary.returncode, (out, waited)
         gap, answers = out.split()
-        return float(gap), int(answers)
+        return float(gap), int(answers), float(waited)
+
+
+def loop_gap_bar(bar_ms: float, canary_ms: float) -> float:
+    """The longest gap allowed: the service's own `bar_ms`, plus twice what the machine kept a process of the
+    same priority waiting in the same seconds (the poller's turn and the service loop's each wait that
+    long), so that a busy machine (another process on a core, a whole suite beside) does not fail it."""
+    return bar_ms + 2 * canary_ms
 
 
 def lower_priority() -> None:
@@ -91,6 +114,8 @@ def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answerin
     # where a decode thread holds the GIL in simdjson, 30-60 ms a call (docs/reliability.md). The bar,
     # 750 ms, is for the loop stalled outright: with every decode on the loop (ATTEND_INLINE_DECODE_BYTES
     # above the bodies) three runs gave 765, 721 and 139 ms, so it does not tell that case apart reliably.
+    # On a busier machine the gaps grow with what it does to any process (989 ms once, a core kept busy
+    # and other suites beside): the bar grows with the canary's wait (`loop_gap_bar`).
     with running_service(repository, prefix=AHEAD, ATTEND_MAX_INFLIGHT_BYTES=str(budget_mib * 2**20)) as (url, proc):
         time.sleep(1)
         idle = rss_mb(proc.pid)
@@ -98,12 +123,12 @@ def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answerin
         time.sleep(0.3)
         with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(8, initializer=lower_priority) as pool:
             results = list(pool.map(lambda b: _send(url, b), bodies))
-        gap, answers = poller.stop()
+        gap, answers, canary = poller.stop()
         for body, status, answer in results:
             assert status in (*body.statuses, 503), (body.name, status, answer)
             if status != 200:
                 assert set(answer) == {"error"}, (body.name, answer)  # the protocol's error body, readable
-        assert answers > 20 and gap < 750, (gap, answers, os.getloadavg())
+        assert answers > 20 and gap < loop_gap_bar(750, canary), (gap, answers, canary, os.getloadavg())
         assert max(peak) - idle < 1.5 * budget_mib, (idle, max(peak))
         assert httpx.get(f"{url}/health/ready").status_code == 200
         ok = json_long(64 * 1024)
@@ -253,9 +278,9 @@ def test_a_gzip_bomb_on_the_event_loop_is_refused_early(repository):
             statuses = list(pool.map(lambda _: httpx.post(f"{url}{INFER}", content=bomb, timeout=60,
                                                           headers={"content-encoding": "gzip"}).status_code,
                                      range(8)))
-        gap, _ = poller.stop()
+        gap, _, canary = poller.stop()
     assert statuses == [413] * 8
-    assert gap < 250, gap
+    assert gap < loop_gap_bar(250, canary), (gap, canary, os.getloadavg())
     assert max(peak) - idle < 64, (idle, max(peak))
 
 
