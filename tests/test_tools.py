@@ -4,7 +4,7 @@ tests, the modules they import, and the bench scripts, scripts and shell scripts
 call's command (through taskset, nice, `bash -c`), each `shutil.which`, each `os.access(..., X_OK)`, and the
 commands of each shell script. Each must be installed by `make tools` or `make browser` (both prerequisites
 of `make test`), be a script of a package of requirements.lock in the venv, be on every Debian (Priority:
-required, what a `debian:12` image holds), or be one of the README's prerequisites (python3, make)."""
+required, what a `debian:12` image holds), or be one of the prerequisites of `make test` (python3, make)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ import pytest
 
 from tests.server import ROOT
 
-# The README's first line asks for these; everything else is installed by its two commands.
+# What a fresh machine needs before `make test` (the Makefile's first line): everything else it installs.
 PREREQUISITES = {"python3", "make"}
-# Called only where the test that needs it runs, and not installed by any make target, with why.
+# Programs no make target installs, each with why the suite may still call it.
 ELSEWHERE = {"nvidia-smi": "the NVIDIA driver's: bench/run.py asks it the GPU's name only with --device cuda"}
 # Where a file the code names by a bare file name ("gc_cost.py", "v2_curl.sh") is looked for.
 SEARCHED = ("bench", "scripts", "docs", "tests")
