@@ -225,6 +225,15 @@ def fully_masked(kind: str, hp: dict, module: torch.nn.Module,
     return f"{kind}, rows of valid length 0: " + "; ".join(parts)
 
 
+def cpu() -> str:
+    """The CPU's model and the vector extensions MLAS picks its kernels by: with AVX-512F, its softmax's exponential
+    underflows on masked scores, which an Intel core pays for with a microcode assist (`python bench/underflow.py`)."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'amx_tile') if f in flags) or 'no AVX2'})"
+
+
 def _repository(kinds: list[str], folder: Path) -> Path:
     """The kinds exported as `python -m export` does (seed 0), into `folder`."""
     from export.publish import export_model
@@ -321,8 +330,8 @@ def main() -> int:
         "",
         f"Medians of up to {args.repeats} calls each (about {POINT_SECONDS:.0f} s a point and form of lengths, "
         f"at least 5 calls), the graphs on both forms alternating call by call, and with eager PyTorch "
-        f"block by block; one core, one "
-        f"thread; ONNX Runtime {ort.__version__}, torch {torch.__version__}, NumPy {np.__version__}; load "
+        f"block by block; one core, one thread; CPU: {cpu()}; "
+        f"ONNX Runtime {ort.__version__}, torch {torch.__version__}, NumPy {np.__version__}; load "
         f"average {load:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the number of cores would be all busy). Served: the graph the "
         f"service runs on the CPU; without weights: model.cpu.outputs.onnx, what it runs for a batch that "

@@ -452,3 +452,18 @@ def test_where_splits_each_servers_cpu_a_request_into_its_stages(repository):
     free = thread[1] - table["session run"][1] - table["batching"][1]
     line = next(line for line in out.splitlines() if line.startswith("At most "))
     assert float(line.split()[2].rstrip("x")) == pytest.approx(thread[0] / free, abs=0.02), out
+
+
+def test_the_underflow_bench_times_each_part_with_flush_to_zero_clear_and_set(repository):
+    """bench/underflow.py: the Attention node, Softmax and the served graphs, each with MXCSR's flush-to-zero bit
+    clear and set, a row each."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "underflow.py"), "--sizes", "1x32", "--calls", "3",
+                          "--repository", str(repository)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 x 32")]
+    assert len(rows) == 2 * (5 + 4), out.stdout  # one head and five: 5 parts, 2 graphs x 2 forms of lengths
+    for row in rows:
+        clear, set_, ratio = (float(cell) for cell in row.strip("| ").split(" | ")[2:])
+        assert clear > 0 and set_ > 0 and ratio == pytest.approx(clear / set_, rel=0.1)  # of the rounded ms
