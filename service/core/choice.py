@@ -11,9 +11,9 @@ CUDA's launches and costs the shared GPU nothing.
 the fastest of a few calls in turn. The bound: ATTEND_GRAPH_TIMING_S a model (the next rung runs where its
 predicted time fits in what is left; the first two always run), and no rung past _MAX_WEIGHTS weights
 (the warm-up's scores must not fill a GPU that several workers share). A candidate several times slower
-than its ladder's fastest, or failing (out of memory), is timed no further, and so is the last one left. The
-lengths are random, one an example, so that masked keys cost what they cost (on an Intel CPU with AVX-512 they
-cost most: `python bench/underflow.py`).
+than its ladder's fastest and falling further behind, or failing (out of memory), is timed no further, and so
+is the last one left. The lengths are random, one an example, so that masked keys cost what they cost (on an
+Intel CPU with AVX-512 they cost most: `python bench/underflow.py`).
 
 `choose` turns the times into a ladder of graphs by size: each candidate at most once, in the order of the sizes
 it wins (the sequence that loses least against each rung's fastest, a change of graph counted as a loss of
@@ -48,7 +48,11 @@ UNBOUNDED = sys.maxsize  # the last graph of a ladder: every size from its thres
 _FEATURES = 32  # the ladder's free feature sizes (dot_product's d and value size, additive's value size)
 _MAX_WEIGHTS = 1 << 26  # the largest rung's weights (batch x heads x n_q x n_k): n = 8192 for one head
 _ROUNDS = 5  # timed calls of each candidate a rung, the fastest kept
-_HOPELESS = 4.0  # a candidate this many times the rung's fastest is timed no further
+# A candidate this many times its ladder's fastest, and drifting away (its ratio grew by half since the rung
+# before), is timed no further; one that is as far behind but keeps pace (a CUDA session's fixed cost beside
+# the CPU's small runs) is timed on, since it may catch up.
+_HOPELESS = 4.0
+_DRIFTING = 1.5
 # A change of graph must save this much of the time summed over the rungs it covers (log ratio): graphs within
 # a machine's noise of each other keep one graph.
 _SWITCH_COST = math.log(1.10)
@@ -153,13 +157,14 @@ def _timed(call: Callable[[], object]) -> float:
 
 def time_graphs(model: LoadedModel, budget_s: float, rng: np.random.Generator | None = None) -> Timings:
     """Every graph of `model` timed on the ladder of sizes, within about `budget_s` (see the module's docstring).
-    A candidate is timed while two or more of its ladder's are still within _HOPELESS of its fastest."""
+    A candidate is timed while two or more of its ladder's are still in the race (_HOPELESS, _DRIFTING)."""
     rng = rng or np.random.default_rng(0)
     has_weights = "attention_weights" in model.output_names
     pools = [entries(model.graphs, weights, has_weights) for weights in (True, False)]
     timed = list(dict.fromkeys(entry for pool in pools for entry in pool))
     timings = Timings([], {entry: [] for entry in timed})
     alive = list(timed)
+    behind: dict[Entry, float] = {}  # each one's time over its ladder's fastest at the last rung
     began = time.perf_counter()
     last = 0.0  # seconds the last rung took
     for n in _rungs(model):
@@ -192,7 +197,10 @@ def time_graphs(model: LoadedModel, budget_s: float, rng: np.random.Generator | 
         for pool in pools:
             left = [entry for entry in pool if entry in best]
             fastest = min((best[entry] for entry in left), default=math.inf)
-            left = [entry for entry in left if best[entry] <= _HOPELESS * fastest]
+            ratios = {entry: best[entry] / fastest for entry in left}
+            left = [entry for entry in left if ratios[entry] <= _HOPELESS
+                    or ratios[entry] < _DRIFTING * behind.get(entry, math.inf)]
+            behind.update(ratios)
             alive += left if len(left) > 1 else []
         alive = list(dict.fromkeys(alive))
         if not alive:
