@@ -160,6 +160,8 @@ class _Tracing:
         resource = Resource.create()
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": "attend"}))
+        # Which process: with ATTEND_WORKERS each worker sets tracing up on its own.
+        resource = Resource({"process.pid": os.getpid()}).merge(resource)
         self.config = config
         self.resource = resource
         # The sampler of OTEL_TRACES_SAMPLER(_ARG). Stopped by `shutdown`, bounded, not at exit (unbounded).

@@ -461,3 +461,19 @@ def test_a_refusing_receiver_costs_no_request_anything(repository):
         _until(lambda: _metric(url, "attend_trace_spans_dropped_total", reason="export_failed") >= 20 * 7)
         assert _metric(url, "attend_trace_spans_exported_total") == 0
         assert refusing.requests > 0 and not refusing.spans
+
+
+def test_each_worker_traces(repository, receiver):
+    """ATTEND_WORKERS=2: every worker process sets tracing up on its own; the spans it exports are summed over
+    the workers in /metrics."""
+    with running_service(repository, ATTEND_WORKERS="2", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+                         OTEL_BSP_SCHEDULE_DELAY="50") as (url, _):
+        sent = []
+        for _ in range(12):
+            parent, trace_id, _ = traceparent()
+            with httpx.Client(base_url=url, headers=JSON) as client:  # a new connection: either worker
+                assert client.post("/attend", content=TOY, headers={"traceparent": parent}).status_code == 200
+            sent.append(trace_id)
+        requests = [server_span(receiver, t) for t in sent]
+        assert len({r.resource["process.pid"] for r in requests}) == 2, "one worker served them all"
+        _until(lambda: _metric(url, "attend_trace_spans_exported_total") >= 12 * 7)
