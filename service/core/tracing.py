@@ -473,15 +473,9 @@ def ran(model: LoadedModel, jobs: list[Job], begun: float, start: float, seconds
 
 def graph_of(model: LoadedModel, weights: bool, elements: int) -> tuple[str, str]:
     """The graph file a batch of `elements` elements ran and its execution provider: the runtime's choice by
-    size (`graph_for`), asked again (it is a function of its arguments); where the runtime has no such choice,
-    the graph without the weights where no request asked for them and the model has one."""
-    graph_for = getattr(model, "graph_for", None)
-    if graph_for is not None:
-        graph = graph_for(weights, elements)
-        return graph.file, graph.provider
-    if not weights and model.session_without_weights is not None:
-        return model.model_file_without_weights, model.provider
-    return model.model_file or model.config.model_file, model.provider
+    size (LoadedModel.graph_for), asked again (a function of its arguments, as run_batch asked it)."""
+    graph = model.graph_for(weights, elements)
+    return graph.file, graph.provider
 
 
 def padded_elements(model: LoadedModel, jobs: list[Job]) -> int:
