@@ -48,9 +48,9 @@ UNBOUNDED = sys.maxsize  # the last graph of a ladder: every size from its thres
 _FEATURES = 32  # the ladder's free feature sizes (dot_product's d and value size, additive's value size)
 _MAX_WEIGHTS = 1 << 26  # the largest rung's weights (batch x heads x n_q x n_k): n = 8192 for one head
 _ROUNDS = 5  # timed calls of each candidate a rung, the fastest kept
-# A candidate this many times its ladder's fastest, and drifting away (its ratio grew by half since the rung
-# before), is timed no further; one that is as far behind but keeps pace (a CUDA session's fixed cost beside
-# the CPU's small runs) is timed on, since it may catch up.
+# A candidate this many times its ladder's fastest, on the same provider, and drifting away (its ratio grew by
+# half since the rung before), is timed no further; one that keeps pace, or runs on another provider (a CUDA
+# session's fixed cost beside the CPU's small runs), is timed on, since it may catch up.
 _HOPELESS = 4.0
 _DRIFTING = 1.5
 # A change of graph must save this much of the time summed over the rungs it covers (log ratio): graphs within
@@ -197,8 +197,11 @@ def time_graphs(model: LoadedModel, budget_s: float, rng: np.random.Generator | 
         for pool in pools:
             left = [entry for entry in pool if entry in best]
             fastest = min((best[entry] for entry in left), default=math.inf)
+            leader = next((entry[0].provider for entry in left if best[entry] == fastest), None)
             ratios = {entry: best[entry] / fastest for entry in left}
-            left = [entry for entry in left if ratios[entry] <= _HOPELESS
+            # A graph on another provider than the fastest's is timed on whatever its ratio: a GPU's fixed cost
+            # a run can look hopeless beside the CPU's small runs, and one rung's noise can look like drifting.
+            left = [entry for entry in left if ratios[entry] <= _HOPELESS or entry[0].provider != leader
                     or ratios[entry] < _DRIFTING * behind.get(entry, math.inf)]
             behind.update(ratios)
             alive += left if len(left) > 1 else []
