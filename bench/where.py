@@ -61,7 +61,7 @@ _RULES = (
     ("JSON encode", "encode_attend (", "service/protocols/attend.py"),
     ("arrays and checks", "decode_body (", "service/protocols/attend.py"),
     ("arrays and checks", "AttendCodec.decode (", "service/protocols/attend.py"),
-    ("socket write", "CoalescingTransport.write (", "service/http/protocol.py"),
+    ("socket write", "CoalescingTransport.write (", "service/http/transport.py"),
     ("metrics and logs", "", "service/core/metrics.py"),
     ("metrics and logs", "", "service/core/logs.py"),
     ("metrics and logs", "", "prometheus_client/"),
