@@ -15,13 +15,14 @@ import numpy as np
 from service.core.choice import device_steps, step
 from service.core.cost import answer, device_run
 from service.core.request import Request
-from service.core.runtime import LoadedModel
+from service.core.runtime import CUDA, LoadedModel
 
 # (model, one request's outputs by name, whether it asked for the attention weights) -> its response body
 Encoder = Callable[[LoadedModel, dict[str, np.ndarray], bool], Any]
 
 
 _SEQUENCE = ("n_q", "n_k", "n")
+_CUDA_INDEX = 1 << 31  # elements of a tensor that ONNX Runtime's CUDA kernels (Softmax, Where) can index
 
 
 # The feature sizes that a kind's graph leaves free and a batch may pad (see the module's docstring).
@@ -44,7 +45,7 @@ class Job:
     provider's (service.core.cost), the latter by the graphs its batch may run (service.core.choice)."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
-                 "n_k", "key", "cost", "device", "shape", "elements", "trace")
+                 "n_k", "key", "cost", "device", "unindexable", "shape", "elements", "trace")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -65,6 +66,7 @@ class Job:
         weights = request.return_weights
         self.cost = costs[0] if weights else costs[1]  # the weights in the answer, or not
         self.device = costs[2]
+        self.unindexable = costs[4]  # its scores would pass the GPU kernels' 32-bit indexes
         if costs[3] is not None:  # a graph without the weights that keeps no scores may run where no job wants them...
             lens = request.feed["valid_lens"]
             # ... and the lengths are one an example (the fused kernel's key lengths; a mask per query is
@@ -72,7 +74,7 @@ class Job:
             linear = not weights and (lens.shape[1] <= 1 or bool((lens == lens[:, :1]).all()))
             self.key = (*self.key, linear)
             if linear:
-                self.device = costs[3]
+                self.device, self.unindexable = costs[3], costs[5]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +111,13 @@ class SizePlan:
         return plan
 
 
-def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[int, int, int, int | None],
-                                        tuple[int, ...], int]:
+def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[Any, ...], tuple[int, ...], int]:
     """A Job's axes, rows, n_q, n_k, key, costs, shape and elements, from its request's shapes. Its costs:
     in host memory with the weights in the answer and without (service.core.cost.answer); in the execution
     provider's, of the graphs its batch may run at its size or larger (service.core.choice.device_steps): as
     any job, and as one that returns no weights with lengths one an example, where a graph without the
-    weights that keeps no scores may run (None: none may)."""
+    weights that keeps no scores may run (None: none may); and for each, whether its scores would pass CUDA's
+    32-bit indexes."""
     plan = SizePlan.of(request.model)
     feed = request.feed
     axes = {axis: feed[name].shape[i] for name, i, axis in plan.reads}
@@ -132,9 +134,14 @@ def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, t
     full = device_run(elements, outputs, weights, plan.hidden)
     linear = device_run(elements, outputs, weights, 0, False) if plan.linear else 0
     total = elements + outputs
+    other_kind = step(plan.device_other, total)
+    linear_kind = step(plan.device_linear, total) if plan.linear else 0
+    # A score matrix of 2^31 elements or more on CUDA: past the 32-bit indexes of ONNX Runtime's CUDA kernels
+    # (an illegal memory access that leaves the process's CUDA context unusable), so it never runs.
+    past = weights >= _CUDA_INDEX and request.model.provider == CUDA
     costs = (answer(elements, outputs, weights, plan.hidden), answer(elements, outputs, weights, plan.hidden, False),
-             (0, full, full)[step(plan.device_other, total)],
-             (0, linear, full)[step(plan.device_linear, total)] if plan.linear else None)
+             (0, full, full)[other_kind], (0, linear, full)[linear_kind] if plan.linear else None,
+             past and other_kind == 2, past and linear_kind == 2)
     return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), costs,
             tuple([axes[a] for a in plan.others]), elements + outputs)
 

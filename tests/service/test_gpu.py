@@ -242,3 +242,25 @@ def test_the_timed_choice_on_cuda(repository):
     weights = np.exp(scores - scores.max(axis=1, keepdims=True))
     want = (weights / weights.sum(axis=1, keepdims=True)) @ v[:length]
     np.testing.assert_allclose(got, want, rtol=FUSED_TOLERANCE, atol=FUSED_TOLERANCE)
+
+
+def test_scores_past_32_bit_indexes_are_refused_before_they_run(cuda_registry, repository):
+    """On a lent H200, model.onnx's Softmax at n = 65536 (2^32 scores) ended in CUDA's illegal memory access,
+    which leaves the process's CUDA context unusable: such a run is a 413 before it runs, and the same request
+    without weights runs on the fused kernel."""
+    from fastapi.testclient import TestClient
+
+    from service.config import Settings
+    from service.http.app import create_app
+
+    n = 46341  # n * n just past 2^31
+    body = {"model": "dot_product", "queries": [[[0.5]] * n], "keys": [[[0.25]] * n], "values": [[[1.0]] * n],
+            "valid_lens": [n]}
+    settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1, max_sequence=n,
+                        max_weight_elements=1 << 32, max_device_bytes=1 << 40, max_inflight_bytes=1 << 40)
+    with TestClient(create_app(settings)) as client:
+        refused = client.post("/attend", json=body)
+        assert refused.status_code == 413 and "2^31" in refused.json()["error"]["message"], refused.text
+        served = client.post("/attend", json=body | {"return_weights": False})
+        assert served.status_code == 200, served.text
+        assert np.allclose(np.asarray(served.json()["outputs"]), 1.0)
