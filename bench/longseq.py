@@ -378,14 +378,14 @@ def table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def report(results: dict[str, Any], out: Path | None) -> None:
+def report(results: dict[str, Any], out: Path | None, section: str | None = None) -> None:
     lines = table(results)
     print("\n".join(lines))
     if out is not None:
         from tests.load.report import write_section
 
-        write_section(out, f"longseq-{results['device']}", lines, stamp=results["date"], command=results["command"],
-                      where=results["machine"])
+        write_section(out, section or f"longseq-{results['device']}", lines, stamp=results["date"],
+                      command=results["command"], where=results["machine"])
 
 
 def main() -> int:
@@ -408,6 +408,7 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="print (and --out) the table of --results")
     parser.add_argument("--out", type=Path, help="markdown file to write the table into (section "
                         "longseq-<device>)")
+    parser.add_argument("--section", help="the section of --out to write (default: longseq-<device>)")
     parser.add_argument("--point", help=argparse.SUPPRESS)
     parser.add_argument("--point-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -420,7 +421,7 @@ def main() -> int:
     if args.report:
         if args.results is None:
             parser.error("--report needs --results")
-        report(json.loads(args.results.read_text()), args.out)
+        report(json.loads(args.results.read_text()), args.out, args.section)
         return 0
     args.sizes = args.sizes or SIZES[args.device]
     missing = [kind for kind in args.kinds
@@ -434,7 +435,7 @@ def main() -> int:
     if args.results:
         args.results.write_text(json.dumps(results, indent=1) + "\n")
     print()
-    report(results, args.out)
+    report(results, args.out, args.section)
     return 0
 
 

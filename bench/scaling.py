@@ -588,6 +588,7 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "scaling.json")
     parser.add_argument("--report", action="store_true", help="measure nothing: the report of --results")
     parser.add_argument("--out", type=Path, help="a markdown file with a <!-- scaling --> section (docs/benchmarks.md)")
+    parser.add_argument("--section", default="scaling", help="the section of --out to write (default: %(default)s)")
     args = parser.parse_args()
     if args.report:
         if not args.results.exists():
@@ -606,7 +607,7 @@ def main() -> int:
         print(f"the sweep took {results['seconds']:.0f} s", file=sys.stderr)
     lines = render(results)
     if args.out:
-        write_section(args.out, "scaling", lines, stamp=results["date"], command=results["command"],
+        write_section(args.out, args.section, lines, stamp=results["date"], command=results["command"],
                       where=results["machine"])
     print("\n".join(lines))
     return 0
