@@ -41,17 +41,16 @@ from export.repository import (
 from export.repository import model_dir as folder_of
 from service.core.choice import Graph, Ladder, Timings, describe_ladders, fixed_choice, pick, warm_up
 from service.core.choice import describe as describe_choice
-from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError, _stderr_captured: named here too)
+from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: named here too)
     CPU,
     CUDA,
     StartupError,
-    _check_file,
-    _check_signature,
-    _open,
-    _preload_cuda,
-    _stderr_captured,
-    _without_paths,
+    check_file,
+    check_signature,
+    open_session,
+    preload_cuda,
     providers_for,
+    without_paths,
 )
 from service.core.statistics import ModelStatistics
 
@@ -244,13 +243,13 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
         without_weights = config.graph_without_weights() if cpu_graph != portable else None
         cuda_without_weights = config.graph_without_weights(cpu=False)
     except Exception as e:
-        raise StartupError(f"model {shown}: unreadable config.json: {_without_paths(str(e), model_dir)}") from e
+        raise StartupError(f"model {shown}: unreadable config.json: {without_paths(str(e), model_dir)}") from e
     for graph in dict.fromkeys(g for g in (portable, cpu_graph, without_weights, cuda_without_weights)
                                if g is not None):
-        _check_file(model_dir, config, graph)
+        check_file(model_dir, config, graph)
     # A provider given with options is a tuple (CUDA's): only a plain "CPUExecutionProvider" is the CPU.
     graph = cpu_graph if all(p == CPU for p in providers) else portable
-    session, cuda_failure = _open(model_dir, config, graph, intra_op_threads, providers)
+    session, cuda_failure = open_session(model_dir, config, graph, intra_op_threads, providers)
     # ORT falls back to the CPU silently when CUDA cannot load: report what really runs.
     provider = session.get_providers()[0]
     if require_cuda and provider != CUDA:
@@ -259,20 +258,20 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     if provider == CPU and graph != cpu_graph:
         # CUDA was asked for and ONNX Runtime fell back to the CPU: the CPU's graph, on the CPU alone.
         graph = cpu_graph
-        session, _ = _open(model_dir, config, graph, intra_op_threads, [CPU])
+        session, _ = open_session(model_dir, config, graph, intra_op_threads, [CPU])
     model = LoadedModel(config=config, session=session, provider=provider, cuda_failure=cuda_failure,
                         model_file=graph[0], sha256=graph[1], opset=graph[2])
-    _check_signature(model)
+    check_signature(model)
     # On the CPU the session runs the CPU graph (or model.onnx, where there is none: then no graph without weights).
     outputs_graph = cuda_without_weights if provider == CUDA else without_weights
     if outputs_graph is not None:
-        outputs_session, _ = _open(model_dir, config, outputs_graph, intra_op_threads,
+        outputs_session, _ = open_session(model_dir, config, outputs_graph, intra_op_threads,
                                    providers if provider == CUDA else [CPU])
         if outputs_session.get_providers()[0] != provider:
             raise StartupError(f"model {config.name}: {model_dir.name}/{outputs_graph[0]} does not load on "
                                f"{provider}, which runs {model_dir.name}/{graph[0]}")
         model.session_without_weights, model.model_file_without_weights = outputs_session, outputs_graph[0]
-        _check_signature(model, outputs_session)
+        check_signature(model, outputs_session)
     model.graphs.append(model.graph(session, graph[0], provider))
     if model.session_without_weights is not None:
         model.graphs.append(model.graph(model.session_without_weights, model.model_file_without_weights, provider,
@@ -281,8 +280,8 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
         opened = {(g.file, g.provider) for g in model.graphs}
         for other in dict.fromkeys(g for g in (cpu_graph, without_weights, portable) if g is not None):
             if (other[0], CPU) not in opened:
-                cpu_session, _ = _open(model_dir, config, other, intra_op_threads, [CPU])
-                _check_signature(model, cpu_session, weights=other != without_weights)
+                cpu_session, _ = open_session(model_dir, config, other, intra_op_threads, [CPU])
+                check_signature(model, cpu_session, weights=other != without_weights)
                 model.graphs.append(model.graph(cpu_session, other[0], CPU))
     model.choice = fixed_choice(model.graphs, "attention_weights" in model.output_names)
     return model
@@ -301,7 +300,7 @@ class Loader:
 
     def __post_init__(self) -> None:
         if self.device != "cpu":
-            _preload_cuda()
+            preload_cuda()
         self.providers = providers_for(self.device, self.cuda_tf32)
 
     def load(self, name: str, version: int | None = None) -> LoadedModel:
@@ -320,7 +319,7 @@ class Loader:
             try:
                 warm_up(model, timing)
             except Exception as e:  # warm-up failing is the model's fault too
-                raise StartupError(f"model {name}: warm-up failed: {_without_paths(str(e), model_dir)}") from e
+                raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
             # Tried once, fell back: spare the other models the same failed attempt.
             log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)

@@ -40,7 +40,7 @@ def providers_for(device: str, cuda_tf32: bool) -> list[Any]:
     return [cuda, CPU] if CUDA in ort.get_available_providers() else [CPU]
 
 
-def _preload_cuda() -> None:
+def preload_cuda() -> None:
     # With onnxruntime-gpu[cuda,cudnn] the CUDA and cuDNN libraries are pip wheels (the `nvidia`
     # namespace package); this loads them. Without them, CUDA may still come from the system.
     preload = getattr(ort, "preload_dlls", None)
@@ -52,7 +52,7 @@ def _preload_cuda() -> None:
 
 
 @contextlib.contextmanager
-def _stderr_captured() -> Iterator[list[str]]:
+def stderr_captured() -> Iterator[list[str]]:
     """What the process writes to fd 2 meanwhile (ONNX Runtime logs from C++, past Python's logging):
     the list holds it once the block is left."""
     sys.stderr.flush()
@@ -87,7 +87,7 @@ def _new_session(path: Path, options: ort.SessionOptions, providers: list[Any]) 
     log is captured here rather than shown."""
     if CUDA not in str(providers):
         return ort.InferenceSession(str(path), sess_options=options, providers=providers), ""
-    with _stderr_captured() as captured:
+    with stderr_captured() as captured:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     if session.get_providers()[0] == CUDA:
         sys.stderr.write(captured[0])  # nothing to hide: pass on whatever it said
@@ -104,7 +104,7 @@ def _session_options(intra_op_threads: int) -> ort.SessionOptions:
     return options
 
 
-def _check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int]) -> None:
+def check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int]) -> None:
     """That the file of `graph` ((file, sha256, opset) from config.json) is there and has the sha256 that
     config.json names."""
     file, sha256, _ = graph
@@ -117,7 +117,7 @@ def _check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int
         raise StartupError(f"model {config.name}: sha256 of {relative} is {digest}, config.json says {sha256}")
 
 
-def _open(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], intra_op_threads: int,
+def open_session(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], intra_op_threads: int,
           providers: list[Any]) -> tuple[ort.InferenceSession, str]:
     """A session on `graph`, and why CUDA was not loaded, where it was asked for."""
     options = _session_options(intra_op_threads)
@@ -127,15 +127,15 @@ def _open(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], int
         return _new_session(model_dir / graph[0], options, providers)
     except Exception as e:
         raise StartupError(f"model {config.name}: ONNX Runtime cannot load {model_dir.name}/{graph[0]}: "
-                           f"{_without_paths(str(e), model_dir)}") from e
+                           f"{without_paths(str(e), model_dir)}") from e
 
 
-def _without_paths(text: str, model_dir: Path) -> str:
+def without_paths(text: str, model_dir: Path) -> str:
     """A library's message with the repository's location taken out (it is the server's business)."""
     return text.replace(str(model_dir.parent.resolve()) + "/", "").replace(str(model_dir.parent) + "/", "")
 
 
-def _check_signature(model: LoadedModel, session: ort.InferenceSession | None = None,
+def check_signature(model: LoadedModel, session: ort.InferenceSession | None = None,
                      weights: bool | None = None) -> None:
     """That the session's (or `session`'s: a graph without the weights, unless `weights`) inputs and outputs
     are config.json's (but attention_weights, for that graph)."""

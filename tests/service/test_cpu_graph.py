@@ -314,7 +314,7 @@ def test_the_cuda_graph_on_the_cpu_gives_the_served_graphs_outputs(repo):
     per example and per query, rows of valid length 0 zeros; its signature is config.json's but the weights."""
     import onnxruntime as ort
 
-    from service.core.runtime import _check_signature
+    from service.core.runtime import check_signature
 
     registry = Registry.load(repo, "cpu", 1)
     rng = np.random.default_rng(9)
@@ -325,7 +325,7 @@ def test_the_cuda_graph_on_the_cpu_gives_the_served_graphs_outputs(repo):
         assert cuda_file == "1/model.cuda.outputs.onnx" and model.config.variants["cuda_outputs"]["sha256"] == \
             sha256_of(repo / name / cuda_file)
         session = ort.InferenceSession(str(repo / name / cuda_file), providers=[CPU])
-        _check_signature(model, session)  # what the load checks on CUDA
+        check_signature(model, session)  # what the load checks on CUDA
         f = 6 if name == "dot_product" else 100
         for lens in (np.array([[2] * 5, [0] * 5, [7] * 5]), np.array([[2, 3, 0, 7, 1], [0] * 5, [7] * 5])):
             feed = {"queries": rng.standard_normal((3, 5, f), dtype=np.float32), "valid_lens": lens}

@@ -14,7 +14,8 @@ import pytest
 
 from export.fused import FUSED_KINDS
 from export.repository import KINDS, example_feed
-from service.core.runtime import CPU, CUDA, Registry, _stderr_captured
+from service.core.runtime import CPU, CUDA, Registry
+from service.core.sessions import stderr_captured
 from tests.server import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -128,7 +129,7 @@ def _kernels(path, feed):
 
     ort.set_default_logger_severity(0)
     try:
-        with _stderr_captured() as captured:
+        with stderr_captured() as captured:
             session = ort.InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0"})])
             session.run(["outputs"], feed)
     finally:
