@@ -37,6 +37,7 @@ from service.core import tracing
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
 from service.core.control import ModelControl
 from service.core.cost import Budget, Cost
+from service.core.deadline import Within
 from service.core.errors import (
     ClientGone,
     ControlOff,
@@ -113,35 +114,6 @@ def load_registry(settings: CoreSettings) -> Registry:
 def _retrieved(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
-
-
-class _Within:
-    """`Dataplane.within`: cancels the task at `until`, and turns that cancellation (not another's)
-    into DeadlineExceeded. (The timer can fire only while the task waits at an await in the block,
-    so the cancellation is always delivered there, inside it.)"""
-
-    __slots__ = ("task", "timer", "passed", "what")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, until: float, what: str):
-        self.task = asyncio.current_task(loop)
-        self.passed = False
-        self.what = what
-        self.timer = loop.call_later(max(until - time.monotonic(), 0), self._expire)
-
-    def _expire(self) -> None:
-        self.passed = True
-        self.task.cancel()  # type: ignore[union-attr]
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        self.timer.cancel()
-        # Not the clock: the loop's timers run up to a millisecond early (libuv's clock counts
-        # milliseconds). Another's cancellation (the server stopping) is theirs to handle.
-        if self.passed and kind is asyncio.CancelledError:
-            self.task.uncancel()  # type: ignore[union-attr]
-            raise DeadlineExceeded(f"the request's deadline passed before {self.what}") from None
 
 
 class Dataplane:
@@ -386,11 +358,11 @@ class Dataplane:
             timeout = min(timeout, ms / 1000)
         return (arrived if arrived is not None else time.monotonic()) + timeout
 
-    def within(self, until: float, what: str = "its body was read and decoded") -> _Within:
+    def within(self, until: float, what: str = "its body was read and decoded") -> Within:
         """`with dataplane.within(until):` the block is cancelled at `until` and raises
         DeadlineExceeded: on a loaded server the body of a large request can take seconds to come in,
         and its decode waits for a thread (past the deadline: 504, and the decode is never started)."""
-        return _Within(self.loop, until, what)
+        return Within(self.loop, until, what)
 
     def cost(self) -> Cost:
         """A request's share of the in-flight budget (service.core.cost): the transport holds its body's
