@@ -4,13 +4,16 @@ replaced and every request is answered. `make test-ray` (the ray extra); `make t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import numpy as np
@@ -33,20 +36,15 @@ KINDS = ("dot_product", "additive", "multi_head", "self_attention")
 CONFIGS = [ROOT / "deploy" / "ray" / "serve.yaml", ROOT / "deploy" / "ray" / "cluster.yaml"]
 
 
-@pytest.fixture(scope="module")
-def serve_url(repository):
-    """Serve with two replicas of the deployment of deploy/ray/serve.yaml, its ATTEND_* settings pointing
-    at the test repository; the local Ray is shut down afterwards (nothing left running)."""
+@contextlib.contextmanager
+def on_serve(env: dict[str, str], replicas: int, **options: Any) -> Iterator[str]:
+    """The app on a local Ray Serve: `replicas` replicas of one CPU with the ATTEND_*/OTEL_* `env`, `options`
+    of the deployment; its proxy's URL. Ray and Serve are shut down afterwards (nothing left running)."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     from service.serve import Attend
 
-    deployment = yaml.safe_load(CONFIGS[0].read_text())["applications"][0]["deployments"][0]
-    # The fixed choice of graphs: with the warm-up's timing each process would choose on its own times, and
-    # GET /models would differ from the app's in this process.
-    env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning",
-           "ATTEND_GRAPH_TIMING_S": "0"}
     port = free_port()
     # Ray puts the driver's working directory on its workers' sys.path: the replicas import `service` from here.
     cwd = os.getcwd()
@@ -55,10 +53,8 @@ def serve_url(repository):
     try:
         # Before serve.run: a later serve.start's options are ignored.
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = {k: deployment[k] for k in ("max_ongoing_requests", "max_queued_requests",
-                                              "graceful_shutdown_timeout_s")}
-        serve.run(Attend.options(num_replicas=2, ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": env}},
-                                 **options).bind(), name="attend", route_prefix="/")
+        serve.run(Attend.options(num_replicas=replicas, ray_actor_options={"num_cpus": 1, "runtime_env": {
+            "env_vars": env}}, **options).bind(), name="attend", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         try:
@@ -66,6 +62,20 @@ def serve_url(repository):
         finally:
             ray.shutdown()
             os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def serve_url(repository):
+    """Serve with two replicas of the deployment of deploy/ray/serve.yaml, its ATTEND_* settings pointing
+    at the test repository."""
+    deployment = yaml.safe_load(CONFIGS[0].read_text())["applications"][0]["deployments"][0]
+    # The fixed choice of graphs: with the warm-up's timing each process would choose on its own times, and
+    # GET /models would differ from the app's in this process.
+    env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning",
+           "ATTEND_GRAPH_TIMING_S": "0"}
+    options = {k: deployment[k] for k in ("max_ongoing_requests", "max_queued_requests", "graceful_shutdown_timeout_s")}
+    with on_serve(env, 2, **options) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

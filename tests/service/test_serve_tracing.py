@@ -6,14 +6,13 @@ proxy. A real local Ray and Serve proxy, one replica exporting to a receiver in 
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
 
 from service.http.schemas import toy_request
 from tests.otlp import Receiver
-from tests.server import ROOT, free_port
+from tests.service.test_serve import on_serve
 from tests.service.test_tracing import check_stages, server_span, traceparent
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -22,31 +21,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def traced_serve(repository):
     """(proxy URL, receiver): one replica of the deployment, tracing to the receiver over gRPC."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from service.serve import Attend
-
     with Receiver() as receiver:
         env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning",
                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50",
                "OTEL_SERVICE_NAME": "attend-ray"}
-        port = free_port()
-        cwd = os.getcwd()
-        os.chdir(ROOT)  # the replicas import `service` from here (Ray puts the driver's directory on their path)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(Attend.options(num_replicas=1, ray_actor_options={"num_cpus": 1,
-                                                                        "runtime_env": {"env_vars": env}}).bind(),
-                      name="attend", route_prefix="/")
-            yield f"http://127.0.0.1:{port}", receiver
-        finally:
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
-                os.chdir(cwd)
+        with on_serve(env, 1) as url:
+            yield url, receiver
 
 
 def test_the_replica_continues_the_callers_trace(traced_serve):

@@ -2,7 +2,6 @@
 other worker lose no request, each client of the killed one at most the request it had on it, and /metrics
 forgets the dead worker's live gauges (its counters stay in the totals)."""
 
-import json
 import os
 import re
 import signal
@@ -17,26 +16,9 @@ import tritonclient.grpc as grpcclient
 
 from service.http.schemas import toy_request
 from tests.server import free_port, running_service
+from tests.service.test_workers import JSON, TOY, counter, worker_pids
 
 pytestmark = pytest.mark.slow
-
-TOY = json.dumps(toy_request())
-JSON = {"content-type": "application/json"}
-
-
-def counter(metrics: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in metrics.splitlines():
-        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def worker_pids(url: str) -> set[int]:
-    """The workers /metrics counts as live (each has its own attend_worker_served, labelled by pid)."""
-    return {int(p) for p in re.findall(r'^attend_worker_served\{pid="(\d+)"\}', httpx.get(f"{url}/metrics").text,
-                                       re.M)}
-
 
 def owner(port: int, client_port: int, pids: set[int]) -> int | None:
     """The process among `pids` that holds the server's end of the TCP connection from `client_port` to
