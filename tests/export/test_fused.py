@@ -180,13 +180,19 @@ def test_multi_head_cpu_graph_is_the_oracle(repository, form):
     assert zero.any() and np.all(out[zero] == 0) and np.all(weights.transpose(0, 2, 1, 3)[zero] == 0)
 
 
-def test_a_books_checkpoint_with_bias_gives_the_books_numbers_on_the_cpu_graph(tmp_path):
+def _books_checkpoint(tmp_path):
+    """The book's MultiHeadAttention with bias (3 heads of 4), saved and exported as "mha": (it, the repository)."""
     torch.manual_seed(3)
     theirs = book.MultiHeadAttention(6, 4, 5, 12, 3, 0.0, bias=True).eval()
     torch.save(theirs.state_dict(), tmp_path / "mha.pt")
     repo = tmp_path / "repo"
     assert main(["--repository", str(repo), "--kind", "multi_head", "--name", "mha", "--checkpoint",
                  str(tmp_path / "mha.pt"), "--num-heads", "3"]) == 0
+    return theirs, repo
+
+
+def test_a_books_checkpoint_with_bias_gives_the_books_numbers_on_the_cpu_graph(tmp_path):
+    theirs, repo = _books_checkpoint(tmp_path)
     config = read_config(repo / "mha")
     Q, K, V = torch.randn(2, 5, 4), torch.randn(2, 8, 6), torch.randn(2, 8, 5)
     lens = torch.tensor([[1, 2, 3, 8, 9], [4, 5, 6, 7, 8]])
@@ -389,12 +395,7 @@ def test_the_cuda_graph_is_the_oracle(repository, form):
 
 def test_a_books_checkpoint_with_bias_gives_the_books_numbers_on_the_cuda_graph(tmp_path):
     """Heads of 4 (12 / 3) padded to 8: the bias of W_q, W_k and W_v padded with them, W_o's not."""
-    torch.manual_seed(3)
-    theirs = book.MultiHeadAttention(6, 4, 5, 12, 3, 0.0, bias=True).eval()
-    torch.save(theirs.state_dict(), tmp_path / "mha.pt")
-    repo = tmp_path / "repo"
-    assert main(["--repository", str(repo), "--kind", "multi_head", "--name", "mha", "--checkpoint",
-                 str(tmp_path / "mha.pt"), "--num-heads", "3"]) == 0
+    theirs, repo = _books_checkpoint(tmp_path)
     Q, K, V = torch.randn(2, 5, 4), torch.randn(2, 8, 6), torch.randn(2, 8, 5)
     model = onnx.load(str(_cuda_path(repo, "mha")))
     assert {i.name: list(i.dims) for i in model.graph.initializer if i.name.startswith("W_")} == {
