@@ -238,22 +238,28 @@ def _nodes_run(path, feed, tmp_path):
 
 
 @pytest.mark.parametrize("kind", FUSED_KINDS)
-def test_lengths_one_a_row_build_no_mask(repository, kind, tmp_path):
+@pytest.mark.parametrize("graph", ["cpu", "cuda"])
+def test_lengths_one_a_row_build_no_mask(repository, kind, graph, tmp_path):
     """Each row of valid_lens one number (1-D lengths, absent ones): the node takes them as its
-    nonpad_kv_seqlen and no mask is built; one example with lengths per query is enough for the mask."""
+    nonpad_kv_seqlen and no mask is built; one example with lengths per query is enough for the mask. On
+    CUDA's graph that is the case its fused kernels take with no score matrix and no bias; its Where zeroes
+    the rows of valid length 0."""
     rng = np.random.default_rng(7)
     batch, n = 3, 6
     f = 8 if kind == "dot_product" else 100
     feed = {name: rng.standard_normal((batch, n, f), dtype=np.float32) for name in ("queries", "keys", "values")}
     if kind == "self_attention":
         feed = {"queries": feed["queries"]}
-    path = repository / kind / read_config(repository / kind).variants["cpu"]["file"]
+    path = _cuda_path(repository, kind) if graph == "cuda" else \
+        repository / kind / read_config(repository / kind).variants["cpu"]["file"]
     per_example = np.array([[0] * n, [n] * n, [4] * n])  # 0 and every key among them
     per_query = per_example.copy()
     per_query[2, 5] = 3
     for lens, ran, skipped in ((per_example, "y_by_length", "y_by_mask"), (per_query, "y_by_mask", "y_by_length")):
         nodes = _nodes_run(path, {**feed, "valid_lens": lens}, tmp_path)
         assert ran in nodes and skipped not in nodes and ("mask" in nodes) == (ran == "y_by_mask"), lens
+        if graph == "cuda":
+            assert "attended" in nodes  # the Where of the rows of valid length 0
 
 
 @pytest.mark.parametrize("kind", FUSED_KINDS)
@@ -406,25 +412,6 @@ def test_a_books_checkpoint_with_bias_gives_the_books_numbers_on_the_cuda_graph(
             "queries": Q.numpy(), "keys": K.numpy(), "values": V.numpy(), "valid_lens": lens.numpy()})
         with torch.no_grad():
             np.testing.assert_allclose(out, theirs(Q, K, V, lens).numpy(), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("kind", FUSED_KINDS)
-def test_the_cuda_graph_takes_lengths_one_a_row_as_nonpad_kv_seqlen(repository, kind, tmp_path):
-    """As the CPU graph: each row one length runs the branch of nonpad_kv_seqlen, no mask built (on CUDA
-    the case its fused kernels take with no score matrix and no bias); lengths per query, the mask."""
-    rng = np.random.default_rng(7)
-    batch, n = 3, 6
-    f = 8 if kind == "dot_product" else 100
-    feed = {name: rng.standard_normal((batch, n, f), dtype=np.float32) for name in ("queries", "keys", "values")}
-    if kind == "self_attention":
-        feed = {"queries": feed["queries"]}
-    per_example = np.array([[0] * n, [n] * n, [4] * n])
-    per_query = per_example.copy()
-    per_query[2, 5] = 3
-    for lens, ran, skipped in ((per_example, "y_by_length", "y_by_mask"), (per_query, "y_by_mask", "y_by_length")):
-        nodes = _nodes_run(_cuda_path(repository, kind), {**feed, "valid_lens": lens}, tmp_path)
-        assert ran in nodes and skipped not in nodes and ("mask" in nodes) == (ran == "y_by_mask"), lens
-        assert "attended" in nodes  # the Where of the rows of valid length 0
 
 
 def test_a_cuda_graph_that_fails_validation_publishes_nothing(tmp_path, monkeypatch):
