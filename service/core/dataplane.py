@@ -402,13 +402,13 @@ class Dataplane:
         else:
             job = trace.job = Job(request, deadline, trace.encoder(encode), is_disconnected)
             job.trace = trace
-        if cost is not None:
-            cost.hold(request.held + job.cost, "this request's answer")
         if job.unindexable:
             raise PayloadTooLarge(f"batch * heads * n_q * n_k of {request.model.name}'s attention weights reaches "
                                   "2^31 elements, past what ONNX Runtime's CUDA kernels index; ask for no weights "
                                   "(return_weights: false, or only outputs) to run the fused kernel",
                                   expected=f"< {1 << 31}")
+        if cost is not None:
+            cost.hold(request.held + job.cost, "this request's answer")
         if self.device_budget is None:
             return await self.scheduler.submit(job, alone=len(self.requests_in_progress) <= 1)
         device = Cost(self.device_budget)

@@ -237,7 +237,7 @@ class GrpcExchange:
     """One ModelInfer call, for service.core.exchange.serve: the message is the body; the answer is
     returned by the servicer, an error ends the call with its status code."""
 
-    __slots__ = ("message", "context", "headers", "authorization", "timeout_ms", "arrived", "rid", "answer",
+    __slots__ = ("message", "target", "context", "headers", "authorization", "timeout_ms", "arrived", "rid", "answer",
                  "traceresponse")
     protocol = "grpc"
     method = "GRPC"
@@ -247,6 +247,7 @@ class GrpcExchange:
     def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         self.arrived = time.monotonic()
         self.message = message
+        self.target = message.model_name, message.model_version or None
         self.context = context
         metadata = self.headers = _metadata(context)
         self.authorization = _authorization(metadata)
@@ -255,10 +256,6 @@ class GrpcExchange:
         self.rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
         self.answer: pb.ModelInferResponse | None = None
         self.traceresponse: str | None = None  # while tracing is on (`traced`)
-
-    @property
-    def target(self) -> tuple[str, str | None]:
-        return self.message.model_name, self.message.model_version or None
 
     def latest(self) -> float | None:
         remaining = self.context.time_remaining()  # grpc-timeout, where the client set a deadline
