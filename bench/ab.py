@@ -1,7 +1,8 @@
 """Paired A/B of the service: two (or more) versions or settings up at once, each pinned to core 0
 (idle while another is measured), wrk on core 1 alternating between them point by point. Single
 runs of this shared machine move by 10-30%; a ratio of two points measured seconds apart moves by a
-few percent, so the median of the per-round ratios is what to compare.
+few percent, so the median of the per-round ratios is what to compare. Beside requests/s, the server's
+CPU time a request (what a request costs), paired the same way.
 
     python bench/ab.py /path/to/other/checkout . [--workloads W1,W3] [--concurrency 16,1] [--rounds 6]
     python bench/ab.py . ".+ATTEND_MAX_BATCH_WAIT_US=0"          (a setting against the default)
@@ -94,16 +95,18 @@ def main() -> int:
                             "rps": point.rps, "p50_ms": point.percentile(50), "p99_ms": point.percentile(99),
                             "cpu_us": 1e6 * (cpu_seconds(proc.pid) - cpu_before) / point.requests})
     print("| workload | concurrency | server | req/s | p50 ms | p99 ms | CPU us / request | x first (paired, median) | "
-          "per round |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "per round | CPU x first (paired, median) | per round |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     for (name, c, spec), runs in measured.items():
         base = measured[(name, c, args.servers[0])]
         ratios = [r["rps"] / b["rps"] for r, b in zip(runs, base, strict=True)]
+        cpu = [r["cpu_us"] / b["cpu_us"] for r, b in zip(runs, base, strict=True)]
         print(f"| {name} | {c} | {spec} | {statistics.median(r['rps'] for r in runs):.0f} | "
               f"{statistics.median(r['p50_ms'] for r in runs):.2f} | "
               f"{statistics.median(r['p99_ms'] for r in runs):.2f} | "
               f"{statistics.median(r['cpu_us'] for r in runs):.0f} | {statistics.median(ratios):.3f} | "
-              + " ".join(f"{x:.2f}" for x in ratios) + " |")
+              + " ".join(f"{x:.2f}" for x in ratios) + f" | {statistics.median(cpu):.3f} | "
+              + " ".join(f"{x:.2f}" for x in cpu) + " |")
     return 0
 
 
