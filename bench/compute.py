@@ -21,7 +21,8 @@ PyTorch block by block (a call right after torch's runs slower: caches), and a f
 the repeats: as many as fit in about 2 s a point and form (0.5 s a part of the floor), at least 5, at
 most --repeats.
 By default the models are exported afresh (seed 0, as `python -m export`) into a temporary repository, so
-the graphs are this tree's; --repository times an existing one. About two minutes on a quiet 2-core
+the graphs are this tree's; --repository times an existing one. The thread flushes denormals to zero, as
+the service's do (ATTEND_FLUSH_DENORMALS, on by default). About two minutes on a quiet 2-core
 machine; timings need the machine to themselves.
 
     python bench/compute.py [--repeats 2001] [--kinds dot_product multi_head] [--sizes 8x16 ... 1x2048]
@@ -53,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from export.build import build_module  # noqa: E402
 from export.repository import default_hyperparameters, without_head_axis  # noqa: E402
+from service.core import denormals  # noqa: E402
 from service.core.runtime import Registry  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
 
@@ -273,6 +275,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="compute.") as tmp:
         repository = args.repository or _repository(args.kinds, Path(tmp) / "repo")
         registry = Registry.load(repository, "cpu", 1)
+        denormals.on_this_thread()  # this thread runs every graph as a served one would (ATTEND_FLUSH_DENORMALS)
         overhead = run_overhead(args.repeats)
         rows, notes = [], []
         for kind in args.kinds:

@@ -18,7 +18,6 @@ graphs (model.cpu.onnx, model.onnx) of an exported repository. One core, one thr
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
 import statistics
@@ -34,25 +33,15 @@ from onnx import TensorProto, helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from service.core import denormals  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
 
 SECTION = "underflow"
-FTZ = 0x8000  # MXCSR's flush-to-zero bit
-_LIBM = ctypes.CDLL("libm.so.6")
-
-
-class _Env(ctypes.Structure):
-    """glibc's fenv_t on x86-64: the x87 environment (28 bytes), then MXCSR."""
-
-    _fields_ = [("x87", ctypes.c_byte * 28), ("mxcsr", ctypes.c_uint32)]
 
 
 def flush_to_zero(on: bool) -> None:
-    """Set or clear MXCSR's flush-to-zero bit of this thread."""
-    env = _Env()
-    _LIBM.fegetenv(ctypes.byref(env))
-    env.mxcsr = (env.mxcsr | FTZ) if on else (env.mxcsr & ~FTZ)
-    _LIBM.fesetenv(ctypes.byref(env))
+    """Set or clear MXCSR's flush-to-zero bit of this thread (the service sets it with DAZ: service.core.denormals)."""
+    denormals.set_flush(on, denormals.FTZ)
 
 
 def session(source: bytes | str) -> ort.InferenceSession:

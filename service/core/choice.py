@@ -38,6 +38,7 @@ import numpy as np
 import onnxruntime as ort
 
 from export.repository import example_feed, without_head_axis
+from service.core import denormals
 from service.core.sessions import CPU, CUDA
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class Graph:
     def run(self, feed: dict[str, np.ndarray], weights: bool = True) -> dict[str, np.ndarray]:
         """Its outputs by name; without attention_weights unless `weights` (ORT copies none out then)."""
         self.runs += 1
+        denormals.on_this_thread()
         names = self.names if weights or not self.weights else self.names_without_weights
         outputs = dict(zip(names, self.session.run(names, feed, _RUN_OPTIONS), strict=True))
         if self.head_axis is not None and self.head_axis in outputs:  # as config.json declares it: a view
@@ -215,7 +217,12 @@ def time_graphs(model: LoadedModel, budget_s: float, rng: np.random.Generator | 
 def _call(entry: Entry, feed: dict[str, np.ndarray]) -> Callable[[], object]:
     graph, weights = entry
     names = graph.names if weights or not graph.weights else graph.names_without_weights
-    return lambda: graph.session.run(names, feed, _RUN_OPTIONS)
+
+    def call() -> object:
+        denormals.on_this_thread()
+        return graph.session.run(names, feed, _RUN_OPTIONS)
+
+    return call
 
 
 def choose(timings: Timings, pool: Sequence[Graph], weights: bool) -> Ladder:

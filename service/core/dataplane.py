@@ -71,6 +71,7 @@ class CoreSettings(Protocol):
     cuda_tf32: bool
     warmup: bool
     graph_timing_s: float
+    flush_denormals: bool
     skip_broken_models: bool
     inline_decode_bytes: int
     max_inflight_bytes: int
@@ -108,7 +109,8 @@ class Transport(Protocol):
 def load_registry(settings: CoreSettings) -> Registry:
     """Every model of the repository, loaded, checked and warmed up (StartupError: why not)."""
     return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
-                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models, settings.graph_timing_s)
+                         settings.cuda_tf32, settings.warmup, settings.skip_broken_models, settings.graph_timing_s,
+                         settings.flush_denormals)
 
 
 def _retrieved(future: asyncio.Future) -> None:

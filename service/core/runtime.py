@@ -39,6 +39,7 @@ from export.repository import (
     read_config,
 )
 from export.repository import model_dir as folder_of
+from service.core import denormals
 from service.core.choice import Graph, Ladder, Timings, describe_ladders, fixed_choice, pick, warm_up
 from service.core.choice import describe as describe_choice
 from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: named here too)
@@ -297,8 +298,10 @@ class Loader:
     cuda_tf32: bool = False
     warmup: bool = True
     graph_timing_s: float = 0.0  # the warm-up's time to choose among a model's graphs; 0: the fixed choice
+    flush_denormals: bool = True  # service.core.denormals
 
     def __post_init__(self) -> None:
+        denormals.enabled = self.flush_denormals
         if self.device != "cpu":
             preload_cuda()
         self.providers = providers_for(self.device, self.cuda_tf32)
@@ -408,7 +411,8 @@ class Registry:
 
     @classmethod
     def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
-             warmup: bool = True, skip_broken: bool = False, graph_timing_s: float = 0.0) -> Registry:
+             warmup: bool = True, skip_broken: bool = False, graph_timing_s: float = 0.0,
+             flush_denormals: bool = True) -> Registry:
         """Load and warm up every model. A model that cannot be served stops the load with a
         StartupError (one line: which model, what is wrong), or with `skip_broken` is left out
         and named in `broken`; a repository with nothing to serve is always an error. `graph_timing_s`:
@@ -418,7 +422,7 @@ class Registry:
         dirs = list_models(repository)
         if not dirs:
             raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
-        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s)
+        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s, flush_denormals)
         models: dict[str, LoadedModel] = {}
         broken: dict[str, str] = {}
         for model_dir in dirs:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import onnxruntime as ort
 
 from export.repository import CPU_GRAPH_LOG_SEVERITY, ModelConfig, one_head_axis, sha256_of, shape_agrees
+from service.core import denormals
 
 if TYPE_CHECKING:
     from service.core.runtime import LoadedModel
@@ -101,6 +102,8 @@ def _session_options(intra_op_threads: int) -> ort.SessionOptions:
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if denormals.enabled:  # ORT's own pool threads (intra_op_threads > 1); the caller's: service.core.denormals
+        options.add_session_config_entry("session.set_denormal_as_zero", "1")
     return options
 
 

@@ -1,0 +1,67 @@
+"""Denormal floats flushed to zero on the threads that run graphs (ATTEND_FLUSH_DENORMALS, on by default).
+
+A masked score's exponential underflows to a denormal on its way to 0. Where the CPU takes a microcode
+assist for each such result (Intel's cores under MLAS's AVX-512F softmax), a masked run costs several times
+an unmasked one; with MXCSR's flush-to-zero and denormals-are-zero bits set it does not (`python
+bench/underflow.py`). The bits are per thread, and ONNX Runtime's own option (session.set_denormal_as_zero)
+sets them on its pool's threads only, not on the thread that calls run(): so each thread that runs a graph
+sets them once, here. A result below float32's smallest normal (1.2e-38) then reads 0. x86-64 with glibc
+only; elsewhere nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import threading
+
+FTZ = 0x8000  # MXCSR's flush-to-zero bit
+DAZ = 0x0040  # its denormals-are-zero bit
+
+enabled = True  # the setting, as the loader last set it (service.core.runtime.Loader)
+_this = threading.local()
+
+
+class _Env(ctypes.Structure):
+    """glibc's fenv_t on x86-64: the x87 environment (28 bytes), then MXCSR."""
+
+    _fields_ = [("x87", ctypes.c_byte * 28), ("mxcsr", ctypes.c_uint32)]
+
+
+def _libm() -> ctypes.CDLL | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        return ctypes.CDLL("libm.so.6")
+    except OSError:
+        return None
+
+
+_LIBM = _libm()
+supported = _LIBM is not None
+
+
+def set_flush(on: bool, bits: int = FTZ | DAZ) -> None:
+    """Set (or clear) `bits` of this thread's MXCSR."""
+    if _LIBM is None:
+        return
+    env = _Env()
+    _LIBM.fegetenv(ctypes.byref(env))
+    env.mxcsr = (env.mxcsr | bits) if on else (env.mxcsr & ~bits)
+    _LIBM.fesetenv(ctypes.byref(env))
+
+
+def on_this_thread() -> None:
+    """Before a graph runs: this thread's bits as the setting says, set once a thread."""
+    if getattr(_this, "flush", None) is not enabled:
+        set_flush(enabled)
+        _this.flush = enabled
+
+
+def flushing() -> bool:
+    """Whether this thread flushes denormal results to zero."""
+    if _LIBM is None:
+        return False
+    env = _Env()
+    _LIBM.fegetenv(ctypes.byref(env))
+    return bool(env.mxcsr & FTZ)
