@@ -83,7 +83,7 @@ class Batcher:
         self._gather_timer: asyncio.TimerHandle | None = None
         self._last_put = 0.0  # when the latest request joined the batch being gathered
         self.size = 0
-        self.stepping = False  # a batch is being taken and run (by the batcher's task or by a leader)
+        self.stepping = False  # the batcher's task is taking and running a batch
         self.running = 0  # batches on inference threads
         # What a run costs: whether a request's padding is worth a batch, and whether a batch runs inline.
         self.run_cost = RunCost(model.run_times)
@@ -286,19 +286,6 @@ class Batcher:
         self.run_cost.observe(job.elements, seconds)
         return results[0]
 
-    async def lead(self, job: Job) -> None:
-        """Run `job`'s batch in the caller's task, when the batcher is idle: one pass of the event
-        loop first, so that the requests already read from the sockets join it. No hand-off to the
-        batcher's task, which costs several passes of the loop."""
-        self.stepping = True
-        try:
-            await asyncio.sleep(0)
-            await self.step()
-        finally:
-            self.stepping = False
-            if self.size:
-                self.wake()  # what arrived meanwhile: the batcher's task takes it
-
     async def loop(self) -> None:
         scheduler = self.scheduler
         while True:
@@ -415,8 +402,6 @@ class Scheduler:
         # long run holds the batch; the batcher drops the job if it has not run yet.
         timer = loop.call_later(max(job.deadline - time.monotonic(), 0), _expire, future)
         try:
-            if idle:
-                await batcher.lead(job)
             return await future
         finally:
             timer.cancel()

@@ -95,7 +95,7 @@ class HttpExchange:
     compressed) and its answer or error written, with the request ID and CORS headers."""
 
     __slots__ = ("endpoint", "scope", "receive", "send_message", "headers", "target", "authorization", "timeout_ms",
-                 "arrived", "rid", "extra", "disconnected", "codec", "hold", "respond")
+                 "arrived", "rid", "extra", "disconnected", "codec", "hold")
     protocol = "http"
     method = "POST"
 
@@ -112,7 +112,6 @@ class HttpExchange:
         extensions = scope.get("extensions") or {}
         self.arrived = extensions.get("attend.arrived")
         self.hold = extensions.get("attend.hold")
-        self.respond = extensions.get("attend.respond")
         self.disconnected = disconnect_probe(extensions, receive)
         self.rid, rid_header = new_request_id(headers.get(b"x-request-id"))
         self.extra = [(b"x-request-id", rid_header)]
@@ -157,12 +156,12 @@ class HttpExchange:
     async def send(self, answer: Answer) -> None:
         extra = self.extra
         await send_body(self.send_message, 200, answer.body, [*extra, *answer.headers] if answer.headers else extra,
-                        answer.content_type, self.hold, self.respond)
+                        answer.content_type, self.hold)
 
     async def refuse(self, error: ServiceError) -> None:
         extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
         await send_body(self.send_message, error.status, self.codec.error_body(error), [*self.extra, *extra],
-                        hold=self.hold, respond=self.respond)
+                        hold=self.hold)
 
     # Tracing (service.core.tracing; only while it is on): OpenTelemetry's conventions for HTTP servers.
 

@@ -12,10 +12,6 @@ Ray Serve, a test client) the same calls take ASGI's own way.
                                                           the whole body in one buffer,
                                                           None if the client went; in
                                                           place of receive()
-    "attend.respond"        on_headers_complete           (status, headers, body) ->     ASGI send of a start and a
-                                                          bool: the whole response in    body message (send_body)
-                                                          one write; False: not taken
-                                                          (nothing written)
     "attend.hold"           on_headers_complete           (writes: int) -> None: the     each message its own write
                                                           next `writes` writes go out
                                                           with the one after them
@@ -29,10 +25,9 @@ tests/service/test_layers.py checks that each exists in the installed uvicorn):
     uvicorn.protocols.http.httptools_impl: HttpToolsProtocol (its connection_made, data_received,
         on_message_begin, on_headers_complete, on_body, on_message_complete, on_response_complete,
         connection_lost, shutdown, and its fields cycle, connections, tasks, flow, pipeline, url, headers,
-        scope, app, config, loop, transport, parser), HEADER_VALUE_RE, STATUS_LINE;
-    its RequestResponseCycle's fields: scope, flow, body, more_body, keep_alive, disconnected,
-        response_started, response_complete, waiting_for_100_continue, chunked_encoding,
-        expected_content_length, message_event, on_response, access_log, default_headers;
+        scope, app, config, loop, transport, parser);
+    its RequestResponseCycle's fields: body, more_body, disconnected, response_started, response_complete,
+        waiting_for_100_continue;
     uvicorn.protocols.http.flow_control.FlowControl: read_paused, resume_reading;
     uvicorn.Server: startup, shutdown, handle_exit, servers, server_state (tasks, connections),
         lifespan, started, config (http_protocol_class, loaded_app);
@@ -110,17 +105,14 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
 
 
 async def send_body(send: Send, status: int, body: bytes | list, headers: Headers, content_type: bytes = JSON,
-                    hold: Any = None, respond: Any = None) -> None:
-    """The response, head and body. `respond`: the server's way to write a whole response at once
-    ("attend.respond", service.http.protocol.GuardedProtocol), where it offers one and can; else `hold`:
-    its way to send head and body in one write (see service.http.transport.CoalescingTransport), where it
-    offers one. A body given as a list of parts (bytes-like, each of one-byte items) goes out part
-    by part, in the same one write; joined, where the server offers neither."""
+                    hold: Any = None) -> None:
+    """The response, head and body. `hold`: the server's way to send head and body in one write (see
+    service.http.transport.CoalescingTransport), where it offers one. A body given as a list of parts
+    (bytes-like, each of one-byte items) goes out part by part, in the same one write; joined, where the
+    server offers no hold."""
     listed = body.__class__ is list
     length = sum(map(len, body)) if listed else len(body)
     head = [(b"content-type", content_type), (b"content-length", b"%d" % length), *headers]
-    if respond is not None and respond(status, head, body):
-        return
     parts: Any = ()
     if listed:
         if hold is None or len(body) == 1:

@@ -21,9 +21,9 @@ Every refusal carries the error body of the path's protocol (and Retry-After for
 counted by its reason in attend_refused_total (service.core.metrics.REFUSALS), on the refusal's path
 only.
 
-It also offers the inference endpoints two extensions of the ASGI scope (service.http.transport):
-"attend.hold" (a response's head and body, or its parts, in one write) and "attend.body" (a body with a
-Content-Length written once into one aligned buffer as it arrives).
+It also offers the inference endpoints extensions of the ASGI scope (service.http.extensions lists them),
+among them "attend.hold" (a response's head and body, or its parts, in one write) and "attend.body" (a body
+with a Content-Length written once into one aligned buffer as it arrives), both service.http.transport's.
 
 The graceful server and its workers are service.http.server.
 """
@@ -38,7 +38,7 @@ import weakref
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.core.errors import HeadersTooLarge, Overloaded, RequestTimeout, ServiceError
 from service.http.endpoint import error_body
@@ -230,7 +230,6 @@ class GuardedProtocol(HttpToolsProtocol):
             # request a reference cycle, left to the garbage collector (what that costs: `python
             # bench/gc_cost.py`).
             cycle = weakref.ref(self.cycle)
-            extensions["attend.respond"] = functools.partial(self._respond, cycle)
             # Whether the client has gone (uvicorn marks the cycle at connection_lost): read by the
             # batching for requests that have waited.
             extensions["attend.disconnected"] = functools.partial(_disconnected, cycle)
@@ -245,46 +244,6 @@ class GuardedProtocol(HttpToolsProtocol):
         # Answered here, instead of by the service (no task, no cycle): the body is drained, not read.
         self.guard.refused("connections")
         self._refuse(_overloaded(refusal), drain=self._body_expected)
-
-    def _respond(self, cycle_ref: weakref.ref, status: int, headers: list[tuple[bytes, bytes]], body: Any) -> bool:
-        """The "attend.respond" extension: a whole response (`body` bytes, or a list of parts sent
-        unjoined; `headers` lower-case, its Content-Length among them) written in one write (held
-        by CoalescingTransport), byte for byte as uvicorn's `send` of a start and a body message
-        writes it (its default headers first,
-        `connection: close` when not kept alive; header values checked the same way), and the cycle
-        completed the same way, without the ASGI messages and their checks (~6% of the book's toy
-        request's CPU at concurrency 16). False, with nothing written, where uvicorn's way must be
-        taken: a response begun, a client gone, writes paused, a HEAD request, uvicorn's own access
-        log on."""
-        cycle = cycle_ref()
-        if cycle is None or cycle.response_started or cycle.disconnected or cycle.flow.write_paused \
-                or cycle.access_log or cycle.scope["method"] == "HEAD":
-            return False
-        for _, value in headers:
-            if HEADER_VALUE_RE.search(value):
-                raise RuntimeError("Invalid HTTP header value.")
-        parts = body if body.__class__ is list else (body,)
-        content = [STATUS_LINE[status]]
-        for name, value in (*cycle.default_headers, *headers):
-            content += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive:
-            content.append(b"connection: close\r\n")
-        content.append(b"\r\n")
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
-        cycle.chunked_encoding = False
-        cycle.expected_content_length = 0
-        transport: Any = self.transport
-        transport.hold_next(len(parts))  # the head and all parts but the last go out with the last
-        transport.write(b"".join(content))
-        for part in parts:
-            transport.write(part)
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            transport.close()
-        cycle.on_response()
-        return True
 
     def _admission(self) -> str | None:
         """Why the request just parsed is refused for load (None: it is not); a body it is admitted

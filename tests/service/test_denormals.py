@@ -86,4 +86,5 @@ def test_the_served_answers_are_the_same_with_the_setting_on_and_off(repository:
             answers.append(response.json())
     on, off = answers
     assert on["attention_weights"] == [[[1.0, 0.0, 0.0]]]  # exp(-90): a denormal, read 0
-    np.testing.assert_allclose(off["attention_weights"], on["attention_weights"], rtol=0, atol=np.finfo(np.float32).tiny)
+    tiny = np.finfo(np.float32).tiny
+    np.testing.assert_allclose(off["attention_weights"], on["attention_weights"], rtol=0, atol=tiny)

@@ -114,9 +114,8 @@ def test_the_checks_see_a_violation(tmp_path):
 # the installed uvicorn, which pyproject.toml bounds to the versions this suite runs with.
 _PROTOCOL_FIELDS = ("cycle", "connections", "tasks", "flow", "pipeline", "url", "headers", "scope", "app", "config",
                     "loop", "transport", "parser")
-_CYCLE_FIELDS = ("scope", "flow", "body", "more_body", "keep_alive", "disconnected", "response_started",
-                 "response_complete", "waiting_for_100_continue", "chunked_encoding", "expected_content_length",
-                 "message_event", "on_response", "access_log", "default_headers")
+_CYCLE_FIELDS = ("body", "more_body", "disconnected", "response_started", "response_complete",
+                 "waiting_for_100_continue")
 
 
 def _assigned(cls: type) -> set[str]:
@@ -139,8 +138,6 @@ def test_the_uvicorn_internals_the_transport_touches_are_there():
         assert callable(getattr(protocol, name)), name
     assert set(_PROTOCOL_FIELDS) <= _assigned(protocol), set(_PROTOCOL_FIELDS) - _assigned(protocol)
     assert set(_CYCLE_FIELDS) <= _assigned(cycle), set(_CYCLE_FIELDS) - _assigned(cycle)
-    assert httptools_impl.STATUS_LINE[200].startswith(b"HTTP/1.1 200")
-    assert httptools_impl.HEADER_VALUE_RE.search(b"a\r\nb") and not httptools_impl.HEADER_VALUE_RE.search(b"ab")
     assert {"read_paused"} <= _assigned(FlowControl) and callable(FlowControl.resume_reading)
     for name in ("startup", "shutdown", "handle_exit"):
         assert callable(getattr(Server, name)), name

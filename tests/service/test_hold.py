@@ -1,14 +1,13 @@
-"""A whole response written at once by the service's protocol ("attend.respond",
-service.http.protocol.GuardedProtocol._respond) instead of uvicorn's two ASGI messages: the same bytes on
-the wire as uvicorn's own `send` makes, the connection kept alive, closed or pipelined the same way.
-Real uvicorn with the service's protocol, real sockets; then the real service process."""
+"""A response's head and body (or its parts) held and written at once by the service's protocol ("attend.hold",
+service.http.transport.CoalescingTransport): the same bytes on the wire as uvicorn's own writes, the connection
+kept alive, closed or pipelined the same way. Real uvicorn with the service's protocol, real sockets; then the
+real service process."""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
-import weakref
 
 import numpy as np
 import pytest
@@ -21,11 +20,10 @@ from tests.server import running_service, uvicorn_in_thread
 pytestmark = pytest.mark.slow
 
 BIG = np.arange(40_000, dtype=np.float32).tobytes()  # past 64 KiB: written unjoined
-RESPONDED: list[bool] = []  # what "attend.respond" returned: True, it wrote the response
 
 
 async def app(scope, receive, send):
-    """Answers through send_body, with "attend.respond" (path /fast...) or uvicorn's way (/slow...);
+    """Answers through send_body, held (path /fast...) or each message its own write (/slow...);
     /...parts sends a body in three parts, /...big one of 160 KB."""
     if scope["type"] != "http":
         return
@@ -38,18 +36,12 @@ async def app(scope, receive, send):
         body = [b'{"a":', memoryview(b"12"), bytearray(b"3}")]
     elif path.endswith("big"):
         body = BIG
-    respond = None
-    if path.startswith("/fast"):
-        def respond(*args):
-            RESPONDED.append(extensions["attend.respond"](*args))
-            return RESPONDED[-1]
-    await send_body(send, 201, body, [(b"x-request-id", b"r-1"), (b"retry-after", b"1")],
-                    hold=extensions["attend.hold"], respond=respond)
+    hold = extensions["attend.hold"] if path.startswith("/fast") else None
+    await send_body(send, 201, body, [(b"x-request-id", b"r-1"), (b"retry-after", b"1")], hold=hold)
 
 
 class Unlogged(GuardedProtocol):
-    """As the service runs it: no uvicorn access log (under pytest the log capture gives uvicorn's
-    access logger handlers, and with a log to write the direct path stands aside)."""
+    """As the service runs it: no uvicorn access log."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,9 +95,7 @@ def _undated(data: bytes) -> bytes:
 
 @pytest.mark.parametrize("kind", ["", "parts", "big"])
 def test_the_same_bytes_as_uvicorns_send(server, kind):
-    RESPONDED.clear()
     fast = _exchange(server, _request(f"/fast{kind}"), 1)
-    assert RESPONDED == [True]
     slow = _exchange(server, _request(f"/slow{kind}"), 1)
     assert _undated(fast) == _undated(slow)
     head, body = fast.split(b"\r\n\r\n", 1)
@@ -130,26 +120,6 @@ def test_connection_close_is_said_and_done(server, path, how):
     data, closed = _closed_after(server, raw)
     assert closed, data
     assert data.count(b"HTTP/1.1 201") == 1 and b"\r\nconnection: close\r\n" in data, data
-
-
-def test_a_header_value_with_a_line_break_is_refused_not_sent():
-    """What uvicorn's send refuses (response splitting), the direct write refuses too."""
-    import asyncio
-
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-
-    class Flow:
-        write_paused = False
-
-    protocol = GuardedProtocol.__new__(GuardedProtocol)
-    protocol.transport = None  # never reached
-    cycle = RequestResponseCycle.__new__(RequestResponseCycle)
-    cycle.response_started = cycle.disconnected = cycle.access_log = False
-    cycle.flow, cycle.scope, cycle.default_headers, cycle.keep_alive = Flow(), {"method": "POST"}, [], True
-    cycle.message_event = asyncio.Event()
-    with pytest.raises(RuntimeError, match="header value"):
-        protocol._respond(weakref.ref(cycle), 200, [(b"x-a", b"1\r\nset-cookie: x")], b"{}")
-    assert not cycle.response_started
 
 
 def test_the_service_answers_through_it(repository):
