@@ -1,7 +1,8 @@
 """What decoding the bodies `make bench` sends costs, in process: for each workload, every body of its pool
 (bench/pools.py) through `service.protocols.attend.decode_body` and into a `service.core.batching.Job`
 (the sizes the batcher reads), in pool order, one core, one thread; a figure is a body's mean over one
-pass of the pool, and the median of the passes.
+pass of the pool, and the median of the passes. Plans and the layouts a model has seen carry over from
+pass to pass, as they do from request to request in a server.
 
 `--tree PATH` times another checkout the same way (`git worktree add /tmp/base <commit>`) on the same
 bodies and repository: each tree runs in its own process, the two alternating round by round, and the

@@ -6,7 +6,7 @@ A varied workload draws every body anew from a seeded RNG: its values, its valid
 request; floats are written as `json.dumps` writes a float32 tensor's `.tolist()` (the shortest
 double that round-trips, ~19 characters a number), as a client holding float32 tensors sends them.
 A replayed workload is one body, sent again and again (what `make bench` measured before: every
-every batch is of equal shapes).
+request after the first takes the service's cached decode plan, and every batch is of equal shapes).
 
 Rows of the benchmark are (workload, transport): `ROWS`. A transport turns a body (a dict of /attend's
 fields) into (path, bytes, header length) and names the client that sends it (`client`: "wrk", the
@@ -134,7 +134,7 @@ POOL = 512
 WORKLOADS = {w.name: w for w in [
     Workload("W1", "additive, varied around the book's toy request (batch 1-4, n_q 1-4, n_k 2-12, values 1-8)",
              toy_additive, POOL),
-    # 2-4 MB a body: 24 of them.
+    # 2-4 MB a body: 24 of them. Bodies over the service's small-body size take no decode plan anyway.
     Workload("W2", "dot_product, varied around 8 x 128 x 128 x 64 (batch 4-8, n_q and n_k 64-128)",
              large_dot_product, 24),
     Workload("W3", "multi_head, varied around the book's example (batch 1-4, n_q and n_k 1-8)", multi_head, POOL),

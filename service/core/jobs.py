@@ -56,7 +56,13 @@ class Job:
         self.enqueued = time.monotonic()
         self.future = future
         self.trace: Any = None  # its request's sampled trace (service.core.tracing.RequestTrace), while tracing is on
-        self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements = job_sizes(request)
+        memo = request.memo  # requests of one layout (service.protocols.attend's plans) share their sizes
+        sizes = None if memo is None else memo.get("job sizes")
+        if sizes is None:
+            sizes = job_sizes(request)
+            if memo is not None:
+                memo["job sizes"] = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements = sizes
         weights = request.return_weights
         self.cost = costs[0] if weights else costs[1]  # the weights in the answer, or not
         self.device = costs[2]

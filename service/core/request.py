@@ -5,6 +5,7 @@ per-request limits (ATTEND_MAX_*). /attend's codec and the Open Inference Protoc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,9 @@ class Request:
     model: LoadedModel
     feed: dict[str, np.ndarray]  # the graph's inputs, valid_lens already 2-D int64
     return_weights: bool
+    # What depends only on the body's layout, shared by the requests of one plan (see _Plan), for the
+    # stages after the decode to keep what they work out from the shapes alone (service.core.batching.Job).
+    memo: dict[str, Any] | None = None
     held: int = 0  # bytes of the body its feed still reads (binary tensors read in place), for its cost
 
 

@@ -78,6 +78,11 @@ class LoadedModel:
     graphs: list[Graph] = dataclasses.field(default_factory=list, repr=False, compare=False)
     choice: dict[bool, Ladder] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     timings: Timings | None = dataclasses.field(default=None, repr=False, compare=False)  # the warm-up's
+    # The layouts of request bodies already checked against this snapshot's signature, by service.protocols.attend
+    # (its _Plan): they go with the snapshot, as its signature does.
+    body_plans: dict[bytes, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # The hashes of layouts seen once since the last clear: a layout gets its plan when seen a second time.
+    body_layouts_seen: set[int] = dataclasses.field(default_factory=set, repr=False, compare=False)
     # Triton's statistics of this snapshot (service.core.statistics): a version loaded again starts from zero.
     statistics: ModelStatistics = dataclasses.field(default_factory=ModelStatistics, repr=False, compare=False)
     # (elements of a run's inputs and outputs, its seconds) of the warm-up's timed runs (`warm_up`): where the

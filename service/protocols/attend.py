@@ -1,5 +1,5 @@
-"""POST /attend's codec: its JSON body to a validated `Request` (service.protocols.json_arrays reads the arrays),
-and the answer back to JSON.
+"""POST /attend's codec: its JSON body to a validated `Request` (service.protocols.json_arrays reads the arrays,
+service.protocols.layouts remembers the layouts that passed), and the answer back to JSON.
 
 `build_request` (service.core.request) then checks the arrays together against the model's signature; the
 Open Inference Protocol's codec, which has arrays already, calls it too.
@@ -53,6 +53,7 @@ from service.protocols.json_arrays import (
     skeleton,
     small_body_arrays,
 )
+from service.protocols.layouts import remember
 
 DEFAULT_MODEL = "dot_product"
 ARRAY_FIELDS = ("queries", "keys", "values", "scores")
@@ -87,7 +88,8 @@ def resolve_model(data: dict[str, Any], registry: Registry) -> LoadedModel:
 def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEFAULT_LIMITS,
            body: bytes | None = None, layout: bytes | None = None, brackets: int | None = None) -> Request:
     """The request for `model` from the parsed body `data` (values simdjson proxies or plain).
-    `layout`: a small body's `skeleton` (its one structural check). `brackets`: the body's
+    `layout`: a small body's `skeleton` (its one structural check; a body whose checks pass then
+    leaves its plan on the model, for the next body of the same layout). `brackets`: the body's
     count of '[', where the caller has it (service.core.cost.json_counts)."""
     return_weights = data.get("return_weights", True)
     if not isinstance(return_weights, bool):
@@ -113,7 +115,8 @@ def decode(data: dict[str, Any], model: LoadedModel, limits: RequestLimits = DEF
             feed, lengths = checked_feed(model, tensors, limits, True)
             if "valid_lens" in wanted:
                 feed["valid_lens"] = check_valid_lens(sent_lens, *lengths)
-            return Request(model, feed, return_weights)
+            memo = remember(model, layout, data, limits, tensors, sent_lens, lengths)
+            return Request(model, feed, return_weights, memo)
     arrays = Arrays({})
     what = "an array of arrays of arrays of numbers (batch, n, features)"
     if model.kind == "masked_softmax":
@@ -146,7 +149,14 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
     '[', where the caller has it."""
     data = parse(body)
     model = resolve_model(data, registry)
-    layout = skeleton(body) if len(body) <= SMALL_BODY else None
+    layout = None
+    if len(body) <= SMALL_BODY:
+        layout = skeleton(body)
+        plan = model.body_plans.get(layout)
+        if plan is not None and plan.limits is limits and plan.keys == tuple(data):
+            request = plan.request(model, data)
+            if request is not None:
+                return request
     try:
         return decode(data, model, limits, body, layout, brackets)
     except ServiceError as e:

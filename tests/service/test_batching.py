@@ -268,14 +268,30 @@ def test_run_cost_fits_the_warm_up_and_follows_the_runs(registry):
     assert RunCost([(100, 20e-6), (10_100, 10e-6)]).padding_limit() == 0  # a slope below 0: noise, not a cost
 
 
-def test_a_jobs_sizes_are_its_requests(reference, registry):
+def test_jobs_of_one_layout_share_their_sizes_and_they_are_their_own(reference, registry):
+    """A layout's requests (service.protocols.attend's plans, made when the layout comes a second time) carry
+    one memo, where the first Job leaves the sizes the others then take: the same as each request's own, and
+    another layout's are its own."""
+    from service.core.jobs import job_sizes
+
     rng = np.random.default_rng(1)
     for kind in ("dot_product", "additive", "multi_head", "self_attention"):
-        for batch, n_q, n_k in ((2, 3, 5), (1, 9, 9)):
-            request = reference.decode(make_body(kind, rng, batch=batch, n_q=n_q, n_k=n_k, form="1d"))
-            job = Job(request, 0.0)
-            assert (job.rows, job.n_q, job.n_k) == (batch, n_q, n_q if kind == "self_attention" else n_k)
-            assert job.elements > 0 and job.cost > 0
+        registry.get(kind).body_plans.clear()
+        registry.get(kind).body_layouts_seen.clear()
+        bodies = [make_body(kind, rng, batch=2, n_q=3, n_k=5, form="1d") for _ in range(4)]
+        first, *requests = [reference.decode(b) for b in bodies]
+        assert first.memo is None  # the layout's first: no plan yet
+        assert requests[0].memo is not None and all(r.memo is requests[0].memo for r in requests)
+        jobs = [Job(r, 0.0) for r in requests]
+        assert requests[0].memo["job sizes"] is not None
+        for job, request in zip(jobs, requests, strict=True):
+            sizes = job_sizes(request)
+            assert (job.axes, job.rows, job.n_q, job.n_k, job.key, job.shape, job.elements) == sizes[:5] + sizes[6:]
+            assert job.cost == sizes[5][0 if request.return_weights else 1]
+            assert (job.rows, job.n_q, job.n_k) == (2, 3, 3 if kind == "self_attention" else 5)
+        other = reference.decode(make_body(kind, rng, batch=1, n_q=9, n_k=9, form="1d"))
+        assert other.memo is not requests[0].memo
+        assert (Job(other, 0.0).rows, Job(other, 0.0).n_q) == (1, 9)
 
 
 # --- the scheduler: queue bound, deadlines, gone clients, limits ------------------------------

@@ -1,8 +1,9 @@
-"""The decoder's paths agree: the whole-body structural check (small bodies), the row walk (large ones) and
-the precise walk (Python lists) give the same arrays for every valid body, and every bad body gets the same
-error from each."""
+"""The decoder's paths agree: the whole-body structural check (small bodies), a plan left by an
+earlier body of the same layout, the row walk (large ones) and the precise walk (Python lists) give
+the same arrays for every valid body, and every bad body gets the same error from each."""
 
 import json
+import re
 import zlib
 
 import numpy as np
@@ -11,6 +12,7 @@ import simdjson
 
 import service.protocols.attend as decode
 import service.protocols.json_arrays as json_arrays
+import service.protocols.layouts as layouts
 from service.core.errors import ServiceError
 from service.core.runtime import Registry
 from tests.service.test_bad_input import CASES, TOY
@@ -21,7 +23,19 @@ def registry(repository):
     return Registry.load(repository, "cpu", 1)
 
 
-LIMITS = decode.RequestLimits()
+def sibling(body: bytes) -> bytes:
+    """A body of the same layout (keys, shapes, types) with other numbers: every digit but 0 a 1
+    (whole numbers stay whole, and lengths stay within n_k)."""
+    return re.sub(rb"[2-9]", b"1", body)
+
+
+def forget_plans(registry):
+    for name in registry.names():
+        registry.get(name).body_plans.clear()
+        registry.get(name).body_layouts_seen.clear()
+
+
+LIMITS = decode.RequestLimits()  # one object: a plan holds for the limits object it was checked against
 
 
 def _result(body, registry, limits=LIMITS):
@@ -34,14 +48,22 @@ def _result(body, registry, limits=LIMITS):
 
 
 def _paths(monkeypatch, body, registry):
-    """The result (or error) of each path for `body`."""
+    """The result (or error) of each path for `body`; "planned": after a sibling body left its plan
+    (where it passed), and whether it did."""
     results = {}
-    for name, small, walk in (("small-body", 1 << 30, True), ("row walk", 0, True), ("precise", 0, False)):
+    for name, small, walk in (("small-body", 1 << 30, True), ("planned", 1 << 30, True), ("row walk", 0, True),
+                              ("precise", 0, False)):
+        forget_plans(registry)
         monkeypatch.setattr(decode, "SMALL_BODY", small)
         if not walk:  # no fast array at all: every field the precise way
             monkeypatch.setattr(json_arrays, "_fast_array", lambda node: None)
+        if name == "planned":  # a layout gets its plan the second time it comes
+            _result(sibling(body), registry)
+            _result(sibling(body), registry)
+            results["had a plan"] = any(registry.get(n).body_plans for n in registry.names())
         results[name] = _result(body, registry)
     monkeypatch.undo()
+    forget_plans(registry)
     return results
 
 
@@ -82,15 +104,16 @@ def test_every_path_gives_the_same_arrays(registry, monkeypatch, kind, style):
     for _ in range(5):
         body = _random_body(rng, kind, style)
         results = _paths(monkeypatch, body, registry)
-        assert results["small-body"] == results["row walk"] == results["precise"], body[:200]
+        assert results["small-body"] == results["planned"] == results["row walk"] == results["precise"], body[:200]
         assert isinstance(results["small-body"], dict), results["small-body"]
+        assert results["had a plan"], body[:200]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if isinstance(c[1], dict | bytes)], ids=lambda c: c[0])
 def test_every_path_gives_the_same_error(registry, monkeypatch, case):
     body = case[1] if isinstance(case[1], bytes) else json.dumps(case[1]).encode()
     results = _paths(monkeypatch, body, registry)
-    assert results["small-body"] == results["row walk"] == results["precise"]
+    assert results["small-body"] == results["planned"] == results["row walk"] == results["precise"]
 
 
 @pytest.mark.parametrize("body", [
@@ -106,7 +129,7 @@ def test_what_flattening_would_hide_is_caught_by_every_path(registry, monkeypatc
     """as_buffer flattens nested arrays: a row [1, [2]] has two numbers like [1, 2]. The structural
     checks (whole body, or brackets counted) must not let it through."""
     results = _paths(monkeypatch, body, registry)
-    assert results["small-body"] == results["row walk"] == results["precise"]
+    assert results["small-body"] == results["planned"] == results["row walk"] == results["precise"]
 
 
 def test_the_small_body_path_is_taken_for_valid_bodies():
@@ -120,10 +143,94 @@ def test_the_small_body_path_is_taken_for_valid_bodies():
             assert json_arrays.small_body_arrays(json_arrays.skeleton(body), data, fields) is not None, body[:200]
 
 
-def test_the_limits_hold_for_every_body_of_a_layout(registry):
-    body = json.dumps(TOY).encode()
+# ------------------------------------------------------------------------------------------- plans
+
+
+def _toy(**changes) -> bytes:
+    return json.dumps(TOY | changes).encode()
+
+
+def test_a_plan_is_left_by_a_valid_small_body_whose_layout_came_before_and_used_by_the_next(registry, monkeypatch):
+    forget_plans(registry)
+    model = registry.get("additive")
+    first, second = _toy(), sibling(_toy())
+    expected = _result(second, registry)
+    forget_plans(registry)
+    assert _result(first, registry)["model"] == "additive"
+    assert not model.body_plans  # a layout seen once: no plan yet
+    assert _result(first, registry)["model"] == "additive"
+    assert list(model.body_plans) == [json_arrays.skeleton(first)] == [json_arrays.skeleton(second)]
+    used = []
+    real = layouts.Plan.request
+    monkeypatch.setattr(layouts.Plan, "request", lambda plan, *a: used.append(plan) or real(plan, *a))
+    assert _result(second, registry) == expected
+    assert len(used) == 1
+    # Another layout (one key row fewer) is decoded the long way, and leaves its own plan when it comes again.
+    other = _toy(keys=TOY["keys"][:1], values=TOY["values"][:1], queries=TOY["queries"][:1], valid_lens=[2])
+    assert isinstance(_result(other, registry), dict)
+    assert len(used) == 1 and len(model.body_plans) == 1
+    assert isinstance(_result(other, registry), dict)
+    assert len(used) == 1 and len(model.body_plans) == 2
+
+
+def test_layouts_that_never_come_again_leave_no_plans_and_what_is_seen_is_bounded(registry):
+    forget_plans(registry)
+    model = registry.get("dot_product")
+    for n in range(1, 3 * layouts._LAYOUTS_SEEN):
+        body = {"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n], "values": [[[1.0]] * n]}
+        assert isinstance(_result(json.dumps(body).encode(), registry), dict)
+        assert not model.body_plans
+        assert 1 <= len(model.body_layouts_seen) <= layouts._LAYOUTS_SEEN
+    forget_plans(registry)
+
+
+def test_what_numbers_can_get_wrong_is_checked_on_a_plan_too(registry):
+    """A layout that passed once: the same keys and shapes with a number that fails gets the long
+    way's own error (the plan's path checks finite float32 and the valid lengths' values; the model
+    and version come from each body)."""
+    base = dict(TOY, version=1)
+    cases = [
+        dict(base, valid_lens=[2, 11]),  # over n_k = 10
+        dict(base, valid_lens=[2, 1.5]),  # not whole
+        dict(base, valid_lens=[-1, 2]),
+        dict(base, version=2),  # not loaded
+        dict(base, version=1.5),
+        dict(base, queries=[[[1e39] * 20]] * 2),  # beyond float32
+        dict(base, keys=[[[1.0, -1e300]] * 10] * 2),
+        dict(base, keys=[[[10**40, 1]] * 10] * 2),  # beyond 64 bits: simdjson refuses it, orjson parses it
+    ]
+    for body in cases:
+        raw = json.dumps(body).encode()
+        forget_plans(registry)
+        expected = _result(raw, registry)
+        assert isinstance(expected, tuple), body
+        valid = json.dumps(dict(base, version=len(body["queries"]) // 2)).encode()  # valid, the same layout
+        _result(valid, registry)
+        _result(valid, registry)
+        assert registry.get("additive").body_plans, body
+        assert _result(raw, registry) == expected, body
+    forget_plans(registry)
+
+
+def test_a_plan_holds_for_the_limits_it_was_checked_against(registry):
+    forget_plans(registry)
+    body = _toy()
     assert isinstance(_result(body, registry), dict)
-    assert _result(body, registry, decode.RequestLimits(batch=1))[:2] == ("PayloadTooLarge", 413)
+    small = decode.RequestLimits(batch=1)
+    assert _result(body, registry, small)[:2] == ("PayloadTooLarge", 413)
+    forget_plans(registry)
+
+
+def test_plans_are_bounded(registry):
+    forget_plans(registry)
+    model = registry.get("dot_product")
+    for n in range(1, 3 * layouts._PLANS_PER_MODEL):
+        body = json.dumps({"model": "dot_product", "queries": [[[1.0]]], "keys": [[[1.0]] * n],
+                           "values": [[[1.0]] * n]}).encode()
+        assert isinstance(_result(body, registry), dict)
+        assert isinstance(_result(body, registry), dict)
+        assert 1 <= len(model.body_plans) <= layouts._PLANS_PER_MODEL
+    forget_plans(registry)
 
 
 def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(registry, monkeypatch):
