@@ -275,7 +275,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="compute.") as tmp:
         repository = args.repository or _repository(args.kinds, Path(tmp) / "repo")
         registry = Registry.load(repository, "cpu", 1)
-        denormals.on_this_thread()  # this thread runs every graph as a served one would (ATTEND_FLUSH_DENORMALS)
+        denormals.set_flush(True)  # this thread runs every graph as a served run does (ATTEND_FLUSH_DENORMALS)
         overhead = run_overhead(args.repeats)
         rows, notes = [], []
         for kind in args.kinds:

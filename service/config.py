@@ -47,8 +47,8 @@ class Settings(BaseSettings):
     # The warm-up's time, a model with several graphs, to find which runs a batch fastest by its size on this
     # machine (service.core.choice); 0: the fixed choice, and no sessions besides it.
     graph_timing_s: float = Field(0.5, ge=0, le=60, description="warm-up seconds a model to time its graphs; 0: off")
-    # Denormal results of a run read 0 (MXCSR's FTZ and DAZ bits on the threads that run graphs): a masked
-    # softmax no longer takes a microcode assist a score on Intel's AVX-512 cores (service.core.denormals).
+    # Denormal results of a run read 0 (MXCSR's FTZ and DAZ bits, set for each run): a masked softmax no
+    # longer takes a microcode assist a score on Intel's AVX-512 cores (service.core.denormals).
     flush_denormals: bool = True
     # A model that cannot be loaded stops the service, unless this is set: then it is skipped,
     # named in the log and in GET /models, and requests for it get 503.

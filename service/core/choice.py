@@ -75,9 +75,12 @@ class Graph:
     def run(self, feed: dict[str, np.ndarray], weights: bool = True) -> dict[str, np.ndarray]:
         """Its outputs by name; without attention_weights unless `weights` (ORT copies none out then)."""
         self.runs += 1
-        denormals.on_this_thread()
         names = self.names if weights or not self.weights else self.names_without_weights
-        outputs = dict(zip(names, self.session.run(names, feed, _RUN_OPTIONS), strict=True))
+        saved = denormals.enter()
+        try:
+            outputs = dict(zip(names, self.session.run(names, feed, _RUN_OPTIONS), strict=True))
+        finally:
+            denormals.leave(saved)
         if self.head_axis is not None and self.head_axis in outputs:  # as config.json declares it: a view
             outputs[self.head_axis] = without_head_axis(outputs[self.head_axis])
         return outputs
@@ -219,8 +222,11 @@ def _call(entry: Entry, feed: dict[str, np.ndarray]) -> Callable[[], object]:
     names = graph.names if weights or not graph.weights else graph.names_without_weights
 
     def call() -> object:
-        denormals.on_this_thread()
-        return graph.session.run(names, feed, _RUN_OPTIONS)
+        saved = denormals.enter()
+        try:
+            return graph.session.run(names, feed, _RUN_OPTIONS)
+        finally:
+            denormals.leave(saved)
 
     return call
 

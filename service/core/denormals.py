@@ -1,25 +1,25 @@
-"""Denormal floats flushed to zero on the threads that run graphs (ATTEND_FLUSH_DENORMALS, on by default).
+"""Denormal floats flushed to zero while a graph runs (ATTEND_FLUSH_DENORMALS, on by default).
 
 A masked score's exponential underflows to a denormal on its way to 0. Where the CPU takes a microcode
 assist for each such result (Intel's cores under MLAS's AVX-512F softmax), a masked run costs several times
 an unmasked one; with MXCSR's flush-to-zero and denormals-are-zero bits set it does not (`python
 bench/underflow.py`). The bits are per thread, and ONNX Runtime's own option (session.set_denormal_as_zero)
-sets them on its pool's threads only, not on the thread that calls run(): so each thread that runs a graph
-sets them once, here. A result below float32's smallest normal (1.2e-38) then reads 0. x86-64 with glibc
-only; elsewhere nothing changes.
+sets them on its pool's threads only, not on the thread that calls run(). So each run sets them on its
+thread and puts the thread's bits back after: the event loop's NumPy, and a caller's thread, keep IEEE
+denormals. A result below float32's smallest normal (1.2e-38) then reads 0. x86-64 with glibc only;
+elsewhere nothing changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import platform
-import threading
 
 FTZ = 0x8000  # MXCSR's flush-to-zero bit
 DAZ = 0x0040  # its denormals-are-zero bit
+BITS = FTZ | DAZ
 
 enabled = True  # the setting, as the loader last set it (service.core.runtime.Loader)
-_this = threading.local()
 
 
 class _Env(ctypes.Structure):
@@ -41,8 +41,8 @@ _LIBM = _libm()
 supported = _LIBM is not None
 
 
-def set_flush(on: bool, bits: int = FTZ | DAZ) -> None:
-    """Set (or clear) `bits` of this thread's MXCSR."""
+def set_flush(on: bool, bits: int = BITS) -> None:
+    """Set (or clear) `bits` of this thread's MXCSR, until set otherwise."""
     if _LIBM is None:
         return
     env = _Env()
@@ -51,11 +51,25 @@ def set_flush(on: bool, bits: int = FTZ | DAZ) -> None:
     _LIBM.fesetenv(ctypes.byref(env))
 
 
-def on_this_thread() -> None:
-    """Before a graph runs: this thread's bits as the setting says, set once a thread."""
-    if getattr(_this, "flush", None) is not enabled:
-        set_flush(enabled)
-        _this.flush = enabled
+def enter() -> _Env | None:
+    """Before a run: the bits set on this thread, where the setting is on and they are not; what `leave`
+    puts back (None: nothing to put back)."""
+    if not enabled or _LIBM is None:
+        return None
+    saved = _Env()
+    _LIBM.fegetenv(ctypes.byref(saved))
+    if saved.mxcsr & BITS == BITS:
+        return None
+    flushed = _Env.from_buffer_copy(saved)
+    flushed.mxcsr |= BITS
+    _LIBM.fesetenv(ctypes.byref(flushed))
+    return saved
+
+
+def leave(saved: _Env | None) -> None:
+    """After the run: this thread's bits as `enter` found them."""
+    if saved is not None:
+        _LIBM.fesetenv(ctypes.byref(saved))  # type: ignore[union-attr]
 
 
 def flushing() -> bool:

@@ -1,83 +1,90 @@
-"""Denormal results flushed to zero on the threads that run graphs (ATTEND_FLUSH_DENORMALS, service.core.denormals):
-a thread's MXCSR bits follow the setting once it runs a graph, whatever it inherited; a denormal product then
-reads 0; the served answers differ by less than float32's smallest normal with the setting on and off."""
+"""Denormal results flushed to zero while a graph runs (ATTEND_FLUSH_DENORMALS, service.core.denormals): a run
+flushes where the setting is on, and the thread's bits are as before once it returns (a warm-up on the caller's
+thread leaves them too); the served answers differ by less than float32's smallest normal with the setting on
+and off."""
 
 import threading
 from pathlib import Path
 
 import httpx
 import numpy as np
+import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
 from service.core import denormals
-from service.core.runtime import Registry
+from service.core.choice import Graph
+from service.core.runtime import CPU, Registry
 from tests.server import running_service
 
 pytestmark = pytest.mark.skipif(not denormals.supported,
                                 reason="MXCSR is x86-64's (glibc's fenv): elsewhere the service changes nothing")
 
-SCORES = np.array([[[0.0, -90.0, 1.0]]], np.float32)  # exp(-91) is a float32 denormal (8e-40)
+TINY = np.finfo(np.float32).tiny  # float32's smallest normal
+
+
+def _product_graph() -> Graph:
+    """A graph of one Mul: x * y, in float32."""
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "y"], ["z"])], "mul",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy"],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return Graph("mul.onnx", CPU, session, ["z"], False)
 
 
 def _in_new_thread(call, inherited: bool):
-    """call() in a fresh thread whose MXCSR bits start as `inherited`; (its result, the thread's
-    flushing() after it, 1e-30 * 1e-10 in float32 there)."""
+    """call() in a fresh thread whose bits start as `inherited`: (its result, the thread's flushing() after)."""
     out = {}
 
     def run():
         denormals.set_flush(inherited)
         out["result"] = call()
         out["flushing"] = denormals.flushing()
-        out["product"] = np.float32(1e-30) * np.float32(1e-10)
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    return out["result"], out["flushing"], out["product"]
+    return out["result"], out["flushing"]
 
 
 @pytest.fixture
-def restore():
+def setting():
     yield
     denormals.enabled = True
 
 
+@pytest.mark.parametrize("inherited", [False, True], ids=["thread IEEE", "thread flushing"])
+@pytest.mark.parametrize("flush", [True, False], ids=["on", "off"])
+def test_a_run_flushes_as_the_setting_says_and_leaves_the_threads_bits(setting, flush, inherited):
+    graph = _product_graph()
+    denormals.enabled = flush
+    feed = {"x": np.array([1e-30], np.float32), "y": np.array([1e-10], np.float32)}
+    result, flushing = _in_new_thread(lambda: graph.run(feed)["z"], inherited)
+    assert flushing is inherited
+    bits = int(result.view(np.uint32)[0])  # compared as bits: a thread with DAZ reads a denormal as 0
+    if flush or inherited:
+        assert bits == 0
+    else:
+        assert 0 < bits < int(np.array([TINY], np.float32).view(np.uint32)[0])  # a denormal, kept
+
+
 @pytest.mark.parametrize("flush", [True, False])
-def test_a_graphs_run_sets_its_threads_bits_as_the_setting_says(repository: Path, flush: bool, restore):
-    model = Registry.load(repository, "cpu", 1, warmup=False, flush_denormals=flush).get("masked_softmax")
-    feed = {"scores": SCORES, "valid_lens": np.array([[3]], np.int64)}
-    result, flushing, product = _in_new_thread(lambda: model.run(feed), inherited=not flush)
-    assert flushing is flush
-    assert bool(product == 0) is flush
-    if not flush:
-        assert 0 < product < np.finfo(np.float32).tiny  # a denormal, kept
-    expected = np.exp(SCORES - SCORES.max()) / np.exp(SCORES - SCORES.max()).sum()
-    np.testing.assert_allclose(result["attention_weights"], expected, rtol=1e-6, atol=1e-37)
-
-
-def test_the_thread_follows_a_new_setting(restore):
-    """Set once a thread, but again where a load changed the setting (a reload with another repository
-    keeps the process)."""
-    denormals.enabled = True
-    _, flushing, _ = _in_new_thread(denormals.on_this_thread, inherited=False)
-    assert flushing
-    state = {}
-
-    def twice():
-        denormals.enabled = True
-        denormals.on_this_thread()
-        state["first"] = denormals.flushing()
-        denormals.enabled = False
-        denormals.on_this_thread()
-        return denormals.flushing()
-
-    assert _in_new_thread(twice, inherited=False)[0] is False
-    assert state["first"] is True
+def test_the_loader_sets_it_and_a_warm_up_leaves_the_callers_bits(repository: Path, setting, flush):
+    registry, flushing = _in_new_thread(
+        lambda: Registry.load(repository, "cpu", 1, graph_timing_s=0.2, flush_denormals=flush), inherited=False)
+    assert denormals.enabled is flush
+    assert flushing is False
+    scores = np.array([[[0.0, -90.0, 1.0]]], np.float32)
+    weights = registry.get("masked_softmax").run({"scores": scores, "valid_lens": np.array([[3]], np.int64)})
+    expected = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+    np.testing.assert_allclose(weights["attention_weights"], expected, rtol=1e-6, atol=TINY)
 
 
 @pytest.mark.slow
 def test_the_served_answers_are_the_same_with_the_setting_on_and_off(repository: Path):
-    body = {"model": "masked_softmax", "scores": SCORES.tolist(), "valid_lens": [2]}
+    body = {"model": "masked_softmax", "scores": [[[0.0, -90.0, 1.0]]], "valid_lens": [2]}
     answers = []
     for flush in ("1", "0"):
         with running_service(repository, ATTEND_FLUSH_DENORMALS=flush, ATTEND_GRAPH_TIMING_S="0") as (url, _):
@@ -86,5 +93,4 @@ def test_the_served_answers_are_the_same_with_the_setting_on_and_off(repository:
             answers.append(response.json())
     on, off = answers
     assert on["attention_weights"] == [[[1.0, 0.0, 0.0]]]  # exp(-90): a denormal, read 0
-    tiny = np.finfo(np.float32).tiny
-    np.testing.assert_allclose(off["attention_weights"], on["attention_weights"], rtol=0, atol=tiny)
+    np.testing.assert_allclose(off["attention_weights"], on["attention_weights"], rtol=0, atol=TINY)
