@@ -126,6 +126,10 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
             assert len(failed) <= 1 and all(t >= 0 for t, _ in failed), failed
             assert sum(1 for t, o in client.outcomes if t > killed and o == 200) > 5
 
+        # The replacement warms its models up (seconds; more on a busy machine): ready once it has.
+        deadline = time.monotonic() + 90
+        while counter(httpx.get(f"{url}/metrics").text, "attend_ready") != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
         metrics = httpx.get(f"{url}/metrics").text
         # Nothing in flight once the clients stopped: the dead worker's gauge left the sum with it.
         assert counter(metrics, "attend_requests_in_flight") == 0
