@@ -35,6 +35,7 @@ from tests.service.test_batching import make_body
 from tests.service.test_observability import parse, value
 from tests.service.test_overload import connect
 from tests.service.test_v2 import K, Q, V, _binary, _toy
+from tests.service.test_workers import worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -468,12 +469,15 @@ def test_each_worker_traces(repository, receiver):
     the workers in /metrics."""
     with running_service(repository, ATTEND_WORKERS="2", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
                          OTEL_BSP_SCHEDULE_DELAY="50") as (url, _):
-        sent = []
-        for _ in range(12):
-            parent, trace_id, _ = traceparent()
-            with httpx.Client(base_url=url, headers=JSON) as client:  # a new connection: either worker
-                assert client.post("/attend", content=TOY, headers={"traceparent": parent}).status_code == 200
-            sent.append(trace_id)
-        requests = [server_span(receiver, t) for t in sent]
-        assert len({r.resource["process.pid"] for r in requests}) == 2, "one worker served them all"
-        _until(lambda: _metric(url, "attend_trace_spans_exported_total") >= 12 * 7)
+        # Both workers up: a worker still warming up accepts no connection (on a busy machine, for seconds).
+        _until(lambda: len(worker_pids(url)) == 2 and _metric(url, "attend_ready") == 1, timeout=120)
+        sent, pids = [], set()
+        while len(pids) < 2 and len(sent) < 60:  # the kernel gives each new connection to either worker
+            for _ in range(12):
+                parent, trace_id, _ = traceparent()
+                with httpx.Client(base_url=url, headers=JSON) as client:
+                    assert client.post("/attend", content=TOY, headers={"traceparent": parent}).status_code == 200
+                sent.append(trace_id)
+            pids = {server_span(receiver, t).resource["process.pid"] for t in sent}
+        assert len(pids) == 2, "one worker served them all"
+        _until(lambda: _metric(url, "attend_trace_spans_exported_total") >= len(sent) * 7)
