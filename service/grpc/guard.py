@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.core.errors import InvalidRequest, Overloaded, RequestTimeout, ServiceError
+from service.core.errors import InvalidRequest, NotReady, Overloaded, RequestTimeout, ServiceError
 from service.core.logs import log_access
 from service.grpc.status import code_of, details_of, metadata_of
 
@@ -86,6 +86,7 @@ class CallGuard:
         self.refusals = refusals
         self.gone = gone  # a call whose client went away while its message came: (method, seconds)
         self.calls = 0
+        self.stopping = False  # SIGTERM (service.grpc.drain): every call but the probes refused
 
     def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
         taken = Handlers()
@@ -101,6 +102,9 @@ class CallGuard:
         exempt = name in HEALTH
 
         async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not exempt and self.stopping:
+                await _abort(context, name, NotReady("the service is stopping; retry on another",
+                                                     headers={"Retry-After": "1"}))
             if not exempt and self.calls >= self.max_calls:
                 self._refused("connections")
                 await _abort(context, name, Overloaded(

@@ -45,6 +45,7 @@ from service.core.logs import log_access, new_request_id
 from service.core.request import find_model
 from service.core.runtime import StartupError
 from service.grpc import codec, guard
+from service.grpc.drain import drain
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.proto import model_config_pb2
@@ -385,6 +386,8 @@ class GRPCServer:
         self.server: grpc.aio.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Future | None = None
+        self.calls: guard.CallGuard | None = None
+        self.port = 0
         self.address = grpc_address(settings.host, settings.grpc_port)
 
     async def start(self, dataplane: Dataplane) -> None:
@@ -393,8 +396,8 @@ class GRPCServer:
         server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
                                                        self.shared_port))
         servicer = Servicer(dataplane, settings, self.version)
-        calls = guard.CallGuard(settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
-                                functools.partial(_gone_early, dataplane))
+        self.calls = calls = guard.CallGuard(settings.max_connections, settings.body_timeout_s,
+                                             dataplane.metrics.refusals, functools.partial(_gone_early, dataplane))
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
         try:
             port = server.add_insecure_port(self.address)
@@ -405,13 +408,14 @@ class GRPCServer:
         if not port:
             raise StartupError(f"cannot serve gRPC on {self.address} (ATTEND_GRPC_PORT): {reason}")
         await server.start()
-        self.server = server
+        self.server, self.port = server, port
         dataplane.add_load_hint(servicer.in_progress, servicer.in_progress)
         log.info("gRPC (Triton's GRPCInferenceService) on %s", self.address)
 
     def stop_accepting(self) -> None:
-        """No new calls from now on (grpc refuses them); those under way have ATTEND_GRACE_PERIOD_S.
-        Safe from a signal handler: the stop begins on the event loop."""
+        """No new calls from now on (UNAVAILABLE); those under way have ATTEND_GRACE_PERIOD_S, and grpc
+        stops once their answers are acknowledged (service.grpc.drain). Safe from a signal handler: the
+        stop begins on the event loop."""
         if self.server is None or self.loop is None or self.stopping is not None:
             return
         self.stopping = self.loop.create_future()  # set now: a second call begins nothing
@@ -420,8 +424,12 @@ class GRPCServer:
     def _begin_stop(self) -> None:
         assert self.server is not None and self.stopping is not None
         stopping = self.stopping
-        task = asyncio.ensure_future(self.server.stop(self.settings.grace_period_s))
+        task = asyncio.ensure_future(self._drain_and_stop())
         task.add_done_callback(lambda t: stopping.set_result(None) if not stopping.done() else None)
+
+    async def _drain_and_stop(self) -> None:
+        assert self.server is not None and self.calls is not None
+        await self.server.stop(await drain(self.calls, self.port, self.settings.grace_period_s))
 
     async def stop(self) -> None:
         if self.server is None:

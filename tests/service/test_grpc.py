@@ -2,7 +2,8 @@
 with ATTEND_GRPC_PORT): Triton's own client, sync and aio, gives /attend's numbers for every kind and
 both forms of valid lengths; typed contents and raw_input_contents; metadata, config, readiness and
 statistics; errors as status codes naming the input; keys; deadlines; the message limit; a gRPC and an
-HTTP request in one batch; off with ATTEND_GRPC_PORT=0; SIGTERM drains a call; ATTEND_WORKERS=2.
+HTTP request in one batch; off with ATTEND_GRPC_PORT=0; SIGTERM drains a call, and its answer reaches
+a slow client whole; ATTEND_WORKERS=2.
 
 The requests below that tritonclient cannot make (typed contents, broken messages) are built with the
 stubs tritonclient ships (tritonclient.grpc.service_pb2): this process never imports the service's own
@@ -454,10 +455,10 @@ def test_off_with_port_zero_and_a_taken_port_stops_the_start(repository, tmp_pat
                                                            "from ATTEND_PORT"), same.stderr
 
 
-def _slow_call(port):
+def _slow_call(port, channel_args=None):
     """A client, the inputs of a dot-product call that runs for a while (3 x 4096 x 4096 scores, a 9 MB
     message), its outputs, and how long it took warm (its runs go to an inference thread from then on)."""
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}", channel_args=channel_args)
     q = np.random.default_rng(4).normal(size=(3, 4096, 64)).astype(np.float32)
     inputs = []
     for name in ("queries", "keys", "values"):
@@ -576,6 +577,81 @@ def test_sigterm_drains_a_call_in_flight(repository):
             grpcclient.InferenceServerClient(f"127.0.0.1:{port}").infer("dot_product", inputs, outputs=outputs)
         assert error.value.status() == "StatusCode.UNAVAILABLE"
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+class _SlowRelay:
+    """A TCP relay on 127.0.0.1 to `target`, with a small receive buffer towards the server. Once `stall_after`
+    bytes of the server's have passed, it stops reading them for a second: the rest of an answer waits in the
+    server's send queue, as it does for a client slower to read than the server to write. Halfway through,
+    it sends the server what such a client sends as it reads: a WINDOW_UPDATE (on the connection, of 1)."""
+
+    WINDOW_UPDATE = (4).to_bytes(3, "big") + bytes([0x8, 0]) + (0).to_bytes(4, "big") + (1).to_bytes(4, "big")
+
+    def __init__(self, target: int):
+        self.target, self.passed, self.stall_after = target, 0, None
+        self.sending = threading.Lock()  # the frame goes between two chunks of the client's, not into one
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.socket()
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # before connect: TCP's window
+            server.connect(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        try:
+            while data := source.recv(16384):
+                with self.sending:
+                    sink.sendall(data)
+                if answers:
+                    self.passed += len(data)
+                    if self.stall_after is not None and self.passed >= self.stall_after:
+                        self.stall_after = None
+                        time.sleep(0.5)
+                        with self.sending:
+                            source.sendall(self.WINDOW_UPDATE)
+                        time.sleep(0.5)
+        except OSError:  # the server reset the connection: what it had not sent is lost
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_sigterm_delivers_an_answer_a_slow_client_still_reads(repository):
+    """A 3 MB answer that a client reads slowly, written as SIGTERM comes: it arrives whole. grpc's own stop
+    closed the connection once the answer was in the kernel's send queue, and the client's next frame made
+    the kernel reset it (UNAVAILABLE, "Server shutdown")."""
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20),
+                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (_, proc):
+        relay = _SlowRelay(port)
+        try:
+            # A stream window (HTTP/2 flow control) larger than the answer: grpc writes all of it at once.
+            client, inputs, outputs, _, q = _slow_call(relay.port, [("grpc.http2.lookahead_bytes", 16 << 20)])
+            with ThreadPoolExecutor(1) as pool:
+                relay.stall_after = relay.passed + 65536  # in the answer's first 64 KiB
+                call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
+                time.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)
+                result = call.result(timeout=60)
+            assert result.as_numpy("outputs").shape == q.shape
+            np.testing.assert_allclose(result.as_numpy("outputs")[0, :2], _attention(q[0, :2], q[0], q[0]),
+                                       rtol=1e-4, atol=1e-5)
+            assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        finally:
+            relay.listener.close()
 
 
 def _attention(q, k, v):
