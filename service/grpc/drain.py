@@ -4,7 +4,9 @@ grpc's own stop sends GOAWAY and closes each connection as soon as its last call
 An answer still in the send queue then (a client slower to read than the server to write) is lost: the
 client's next frame, a WINDOW_UPDATE for the answer's first part, meets a closed socket, and the kernel
 resets the connection, dropping what it had not sent (test_grpc's slow relay: every time). So the guard
-refuses new calls first, and grpc stops once the calls are answered and their bytes acknowledged.
+refuses new calls first, and grpc stops once the calls are answered and their bytes acknowledged. A call
+counts until grpc has handed its answer to the transport (its done callback), not until its handler
+returns: grpc serializes and writes the answer after that.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ async def drain(guard: CallGuard, port: int, grace_s: float) -> float:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     guard.stopping = True
-    while guard.calls and loop.time() < deadline:
+    while guard.unfinished and loop.time() < deadline:
         await asyncio.sleep(_POLL_S)
-    while unacknowledged(port) and loop.time() < deadline:
+    quiet = 0  # polls in a row with nothing unacknowledged: two, so that a write under way is seen
+    while quiet < 2 and loop.time() < deadline:
+        quiet = 0 if unacknowledged(port) else quiet + 1
         await asyncio.sleep(_POLL_S)
     return max(0.0, deadline - loop.time())
 

@@ -86,6 +86,7 @@ class CallGuard:
         self.refusals = refusals
         self.gone = gone  # a call whose client went away while its message came: (method, seconds)
         self.calls = 0
+        self.unfinished = 0  # the calls taken in whose answer grpc has not yet handed to its transport
         self.stopping = False  # SIGTERM (service.grpc.drain): every call but the probes refused
 
     def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
@@ -111,6 +112,8 @@ class CallGuard:
                     f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
                     headers={"Retry-After": "1"}))
             self.calls += 1
+            self.unfinished += 1
+            context.add_done_callback(self._finished)  # once grpc has sent the answer and the status
             started = time.perf_counter()
             try:
                 try:
@@ -138,6 +141,9 @@ class CallGuard:
         call.__name__ = name
         return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
+
+    def _finished(self, context: grpc.aio.ServicerContext) -> None:
+        self.unfinished -= 1
 
     def _refused(self, reason: str) -> None:
         counter = self.refusals.get(reason)
