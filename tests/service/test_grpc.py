@@ -629,13 +629,13 @@ class _SlowRelay:
 
 
 def test_sigterm_delivers_an_answer_a_slow_client_still_reads(repository):
-    """A 3 MB answer that a client reads slowly, written as SIGTERM comes: it arrives whole. grpc's own stop
+    """A 3 MB answer that a client reads slowly, SIGTERM while it is computed: it arrives whole. grpc's own stop
     closed the connection once the answer was in the kernel's send queue, and the client's next frame made
     the kernel reset it (UNAVAILABLE, "Server shutdown")."""
     port = free_port()
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20),
-                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (_, proc):
+                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, proc):
         relay = _SlowRelay(port)
         try:
             # A stream window (HTTP/2 flow control) larger than the answer: grpc writes all of it at once.
@@ -643,7 +643,9 @@ def test_sigterm_delivers_an_answer_a_slow_client_still_reads(repository):
             with ThreadPoolExecutor(1) as pool:
                 relay.stall_after = relay.passed + 65536  # in the answer's first 64 KiB
                 call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
-                time.sleep(0.05)
+                waiting = time.monotonic() + 30
+                while not _in_flight(url) and time.monotonic() < waiting:  # taken in: SIGTERM while it runs
+                    time.sleep(0.01)
                 proc.send_signal(signal.SIGTERM)
                 result = call.result(timeout=60)
             assert result.as_numpy("outputs").shape == q.shape
