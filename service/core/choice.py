@@ -76,11 +76,7 @@ class Graph:
         """Its outputs by name; without attention_weights unless `weights` (ORT copies none out then)."""
         self.runs += 1
         names = self.names if weights or not self.weights else self.names_without_weights
-        saved = denormals.enter()
-        try:
-            outputs = dict(zip(names, self.session.run(names, feed, _RUN_OPTIONS), strict=True))
-        finally:
-            denormals.leave(saved)
+        outputs = dict(zip(names, denormals.run(self.session.run, names, feed, _RUN_OPTIONS), strict=True))
         if self.head_axis is not None and self.head_axis in outputs:  # as config.json declares it: a view
             outputs[self.head_axis] = without_head_axis(outputs[self.head_axis])
         return outputs
@@ -222,11 +218,7 @@ def _call(entry: Entry, feed: dict[str, np.ndarray]) -> Callable[[], object]:
     names = graph.names if weights or not graph.weights else graph.names_without_weights
 
     def call() -> object:
-        saved = denormals.enter()
-        try:
-            return graph.session.run(names, feed, _RUN_OPTIONS)
-        finally:
-            denormals.leave(saved)
+        return denormals.run(graph.session.run, names, feed, _RUN_OPTIONS)
 
     return call
 

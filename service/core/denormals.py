@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 FTZ = 0x8000  # MXCSR's flush-to-zero bit
 DAZ = 0x0040  # its denormals-are-zero bit
 BITS = FTZ | DAZ
+T = TypeVar("T")
 
 enabled = True  # the setting, as the loader last set it (service.core.runtime.Loader)
 
@@ -51,25 +54,22 @@ def set_flush(on: bool, bits: int = BITS) -> None:
     _LIBM.fesetenv(ctypes.byref(env))
 
 
-def enter() -> _Env | None:
-    """Before a run: the bits set on this thread, where the setting is on and they are not; what `leave`
-    puts back (None: nothing to put back)."""
+def run(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` with the bits set on this thread while it runs, where the setting is on; the thread's
+    own bits put back after."""
     if not enabled or _LIBM is None:
-        return None
+        return call(*args)
     saved = _Env()
     _LIBM.fegetenv(ctypes.byref(saved))
     if saved.mxcsr & BITS == BITS:
-        return None
+        return call(*args)
     flushed = _Env.from_buffer_copy(saved)
     flushed.mxcsr |= BITS
     _LIBM.fesetenv(ctypes.byref(flushed))
-    return saved
-
-
-def leave(saved: _Env | None) -> None:
-    """After the run: this thread's bits as `enter` found them."""
-    if saved is not None:
-        _LIBM.fesetenv(ctypes.byref(saved))  # type: ignore[union-attr]
+    try:
+        return call(*args)
+    finally:
+        _LIBM.fesetenv(ctypes.byref(saved))
 
 
 def flushing() -> bool:
