@@ -1,11 +1,13 @@
 """Long sequences, outputs only (issue 40): requests that ask for no weights, batch 1, n_q = n_k = n, for
 dot_product (d = 64) and multi_head (8 heads of 64: num_hiddens 512), each run by model.onnx (the traced
-graph: it writes the (heads, n, n) scores at each of its steps) and by the graph the service runs for a
+graph: it writes the (heads, n, n) scores at each of its steps), by the graph the service runs for a
 batch without weights (model.cuda.outputs.onnx on CUDA: one `Attention` node on ONNX Runtime's fused
-kernels; model.cpu.outputs.onnx on the CPU). For each: the median time of a run (session.run with NumPy
-inputs and the outputs fetched, as the service calls it), the memory it holds, the kernel the `Attention`
-node ran (from ONNX Runtime's VERBOSE log), the largest difference between the two graphs' outputs, and
-the longest n each serves in one request.
+kernels; model.cpu.outputs.onnx on the CPU), and by CUDA's graph with its `Attention` in fp16
+(model.cuda.outputs.fp16.onnx, which Flash attention takes; not served: this bench says whether it would
+pay). For each: the median time of a run (session.run with NumPy inputs and the outputs fetched, as the
+service calls it), the memory it holds, the kernel the `Attention` node ran (from ONNX Runtime's VERBOSE
+log), the largest difference between its outputs and model.onnx's, and the longest n each serves in one
+request.
 
 Each point runs in a process of its own (`--point`), so that its memory is its own and a failure (out of
 memory, a crash, a time-out) is a row of the table, never the end of the bench; a graph that fails at
@@ -22,7 +24,7 @@ Bounded: each point by --point-timeout, the whole table by --budget (points left
 timed runs as many as fit in --seconds (at least 3, at most --repeats), so fewer at large n. Timings need
 the machine to themselves.
 
-    python bench/longseq.py --export DIR      # the two models (export's builders), for a machine without torch
+    python bench/longseq.py --export DIR      # the two models (export's builders) and their fp16 graphs
     python bench/longseq.py --device cuda --repository DIR --results docs/benchmarks-longseq-cuda.json \\
                             --out docs/benchmarks.md
     python bench/longseq.py --device cpu --sizes 128 256        # on a machine without a GPU
@@ -61,6 +63,7 @@ HYPERPARAMETERS: dict[str, dict[str, Any]] = {
 }
 SIZES = {"cuda": [512, 1024, 2048, 4096, 8192, 16384, 32768], "cpu": [256, 512, 1024, 2048]}
 DECOMPOSED = "model.onnx"
+HALF = "model.cuda.outputs.fp16.onnx"  # export.fused's fp16 form, written by `export` beside the version's files
 
 # What ONNX Runtime's CUDA kernel of `Attention` logs at VERBOSE when it picks a kernel
 # (onnxruntime/core/providers/cuda/llm/attention.cc, ComputeInternal, through LOGS_DEFAULT: the default
@@ -87,11 +90,22 @@ def outputs_graph(device: str) -> str:
 
 
 def export(folder: Path) -> Path:
-    """The bench's models in `folder`, as `python -m export` writes a model (validated, every graph)."""
+    """The bench's models in `folder`, as `python -m export` writes a model (validated, every graph), and
+    beside each version's files its fp16 graph (`HALF`), validated to export.fused.HALF_TOLERANCE."""
+    import torch
+
+    from export.build import build_module
+    from export.fused import HALF_TOLERANCE, export_fused
     from export.publish import export_model
+    from export.validate import validate
 
     for kind, hp in HYPERPARAMETERS.items():
         config = export_model(folder, kind, kind, dict(hp))
+        torch.manual_seed(0)  # export_model's default seed: the same weights
+        module = build_module(kind, dict(hp))
+        half = folder / kind / str(config.version) / HALF
+        export_fused(module, kind, hp, half, weights=False, cuda=True, half=True)
+        validate(module, kind, hp, half, weights=False, tolerance=HALF_TOLERANCE)
         print(f"exported {kind} version {config.version} ({hp or f'd = {D} from the request'}) into {folder}")
     return folder
 
@@ -255,7 +269,7 @@ def sweep(args: argparse.Namespace, repository: Path) -> dict[str, Any]:
     from export.repository import read_config
 
     started = time.perf_counter()
-    graphs = [DECOMPOSED, outputs_graph(args.device)]
+    graphs = [DECOMPOSED, outputs_graph(args.device), HALF]
     points: list[dict[str, Any]] = []
     failed: dict[tuple[str, str], int] = {}
     with tempfile.TemporaryDirectory(prefix="longseq.") as tmp:
@@ -266,6 +280,8 @@ def sweep(args: argparse.Namespace, repository: Path) -> dict[str, Any]:
                 without = config.graph_without_weights(cpu=args.device == "cpu")
                 if without is not None:
                     files[graphs[1]] = without[0]
+                if (repository / kind / str(config.version) / HALF).is_file():
+                    files[HALF] = f"{config.version}/{HALF}"
                 saved: dict[str, Path] = {}
                 for graph in graphs:
                     row: dict[str, Any] = {"kind": kind, "n": n, "graph": graph}
@@ -290,9 +306,11 @@ def sweep(args: argparse.Namespace, repository: Path) -> dict[str, Any]:
                     print(f"{kind} n={n} {graph}: {row['status']} "
                           + (f"{row['ms']:.4g} ms, {row.get('run_mib', 0):,.0f} MiB, {row['kernels']}"
                              if row["status"] == "ok" else row.get("error", "")), flush=True)
-                if len(saved) == 2:  # the fused graph's outputs against model.onnx's
-                    a, b = (np.load(saved[g]).astype(np.float64) for g in graphs)
-                    points[-1]["max_diff"] = float(np.abs(a - b).max())
+                if DECOMPOSED in saved:  # each fused graph's outputs against model.onnx's
+                    reference = np.load(saved[DECOMPOSED]).astype(np.float64)
+                    for row in points[-len(graphs):]:
+                        if row["graph"] != DECOMPOSED and row["graph"] in saved:
+                            row["max_diff"] = float(np.abs(np.load(saved[row["graph"]]) - reference).max())
                 for path in saved.values():
                     path.unlink(missing_ok=True)
     return {
@@ -331,14 +349,12 @@ def _longest(points: list[dict[str, Any]], kind: str, graph: str, sizes: list[in
 
 
 def table(results: dict[str, Any]) -> list[str]:
-    """The markdown table of `results`, a row per model and n, and the longest n each graph serves."""
-    device, points = results["device"], results["points"]
-    fused = results["graphs"][1]
+    """The markdown table of `results`, a row per model, n and graph, and the longest n each graph serves."""
+    device, points, graphs = results["device"], results["points"], results["graphs"]
     memory = "GPU MiB (session + runs)" if device == "cuda" else "resident MiB (session + runs' peak)"
     lines = [
-        f"| model | n | {DECOMPOSED} ms | {DECOMPOSED} {memory} | {fused} ms | {fused} {memory} | its kernel "
-        f"| time {DECOMPOSED} / {fused} | max diff |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        f"| model | n | graph | ms | {memory} | kernel | time {DECOMPOSED} / this | max diff from {DECOMPOSED} |",
+        "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |",
     ]
     by = {(r["kind"], r["n"], r["graph"]): r for r in points}
     for kind in results["kinds"]:
@@ -346,19 +362,22 @@ def table(results: dict[str, Any]) -> list[str]:
         shape = f"d = {D}" if kind == "dot_product" else \
             f"{hp['num_heads']} heads of {hp['num_hiddens'] // hp['num_heads']}"
         for n in results["sizes"]:
-            a, b = by.get((kind, n, DECOMPOSED)), by.get((kind, n, fused))
-            if a is None or b is None:
-                continue
-            ratio = f"{a['ms'] / b['ms']:.2f}" if a["status"] == b["status"] == "ok" else "-"
-            kernel = ", ".join(b.get("kernels") or []) or ("CPU kernel" if device == "cpu" else "not logged")
-            diff = f"{b['max_diff']:.1e}" if "max_diff" in b else "-"
-            lines.append(f"| {kind} ({shape}) | {n} | {_cell_ms(a)} | {_cell_mib(a)} | {_cell_ms(b)} | {_cell_mib(b)} "
-                         f"| {kernel if b['status'] == 'ok' else '-'} | {ratio} | {diff} |")
+            base = by.get((kind, n, DECOMPOSED))
+            for graph in graphs:
+                row = by.get((kind, n, graph))
+                if row is None or base is None:
+                    continue
+                ok = row["status"] == "ok"
+                ratio = f"{base['ms'] / row['ms']:.2f}" if ok and base["status"] == "ok" and row is not base else "-"
+                kernel = "-" if not ok or graph == DECOMPOSED else \
+                    ", ".join(row.get("kernels") or []) or ("CPU kernel" if device == "cpu" else "not logged")
+                diff = f"{row['max_diff']:.1e}" if "max_diff" in row else "-"
+                lines.append(f"| {kind} ({shape}) | {n} | {graph} | {_cell_ms(row)} | {_cell_mib(row)} | {kernel} "
+                             f"| {ratio} | {diff} |")
     lines.append("")
     for kind in results["kinds"]:
-        lines.append(f"- {kind}, the longest n served in one request: {DECOMPOSED} "
-                     f"{_longest(points, kind, DECOMPOSED, results['sizes'])}; {fused} "
-                     f"{_longest(points, kind, fused, results['sizes'])}")
+        served = "; ".join(f"{graph} {_longest(points, kind, graph, results['sizes'])}" for graph in graphs)
+        lines.append(f"- {kind}, the longest n served in one request: {served}")
     where = "the device's used memory" if device == "cuda" else "the process's resident memory"
     lengths = "one an example (every key)" if results["lengths"] == "example" else "one a query (random)"
     lines += [
@@ -371,8 +390,8 @@ def table(results: dict[str, Any]) -> list[str]:
         + f", one intra-op thread. Memory: {where} "
         f"after the session was made and after the runs, less before it. Kernel: what the `Attention` node "
         f"ran, from ONNX Runtime's VERBOSE log ({DECOMPOSED} has no such node: its MatMuls, Where and Softmax). "
-        f"Max diff: the largest difference between the two graphs' outputs. A point that fails is not tried at "
-        f"larger n; {results['seconds']:.0f} s in all (budget {results['budget']:.0f} s, at most "
+        f"Max diff: the largest difference between the graph's outputs and {DECOMPOSED}'s. A point that fails is "
+        f"not tried at larger n; {results['seconds']:.0f} s in all (budget {results['budget']:.0f} s, at most "
         f"{results['point_timeout']:.0f} s a point).",
     ]
     return lines

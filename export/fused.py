@@ -68,6 +68,11 @@ and V are multiples of 8 up to 1024 and no weights are asked for, a mask only wh
 1-D lengths go in as nonpad_kv_seqlen, 2-D ones through the mask, as in the CPU's graph: CUDA's kernel
 turns a boolean mask into an additive bias of (batch, 1, n_q, n_k) floats, memory quadratic in n but once
 for all heads, and still no score matrix where the memory-efficient kernel runs.
+
+The fp16 form (`half=True`, a bench's graph, not served: `python bench/longseq.py` measures whether it
+pays): the CUDA graph with Q, K and V cast to fp16 for the `Attention` node and Y cast back, which
+Flash attention takes (fp16 only). The projections and W_o stay fp32. No -1e6 is added in fp16 (it
+overflows): lengths one an example mask in the kernel, per query through a boolean mask.
 """
 
 from __future__ import annotations
@@ -83,13 +88,18 @@ from torch import nn
 from export.errors import ExportError
 from export.repository import signature
 
-__all__ = ["FUSED_KINDS", "HEAD_MULTIPLE", "OPSET", "export_fused", "fused_graph", "padded_head_size"]
+__all__ = ["FUSED_KINDS", "HALF_TOLERANCE", "HEAD_MULTIPLE", "OPSET", "export_fused", "fused_graph",
+           "padded_head_size"]
 
 OPSET = 24  # Attention is an operator from opset 23 on; nonpad_kv_seqlen, from 24
 FUSED_KINDS = ("dot_product", "multi_head", "self_attention")
 # CUDA's fused kernels of `Attention` take head sizes that are multiples of this (flash::is_supported and
 # has_memory_efficient_attention in ONNX Runtime 1.31): the CUDA graph pads its heads to one.
 HEAD_MULTIPLE = 8
+# The fp16 form's outputs against PyTorch's fp32, absolute and relative: fp16 keeps 11 bits (a rounding
+# is up to 4.9e-4 of a value), and Q, K, V, the weights and Y are each rounded once (the validator's
+# sweep on the CPU: at most 1.2e-3).
+HALF_TOLERANCE = 2e-3
 _TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
 
 
@@ -109,11 +119,12 @@ class _Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=outputs[0], **attrs))
         return outputs[0]
 
-    def subgraph(self, name: str, outputs: dict[str, list[str | int]]) -> onnx.GraphProto:
+    def subgraph(self, name: str, outputs: dict[str, list[str | int]], dtype: int = TensorProto.FLOAT
+                 ) -> onnx.GraphProto:
         """These nodes as a branch of an `If`: no inputs of its own (it reads the outer graph's names),
-        `outputs` its results by name and shape."""
+        `outputs` its results by name and shape, of `dtype`."""
         return helper.make_graph(self.nodes, name, [], [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in outputs.items()])
+            helper.make_tensor_value_info(n, dtype, shape) for n, shape in outputs.items()])
 
     def linear(self, x: str, layer: nn.Linear, name: str, output: str | None = None,
                pad: tuple[int, int, int] | None = None, rows: bool = False) -> str:
@@ -148,16 +159,19 @@ def _pad_heads(array: np.ndarray, heads: int, head: int, padded: int, axis: int)
 
 
 def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool = True,
-                cuda: bool = False) -> onnx.ModelProto:
+                cuda: bool = False, half: bool = False) -> onnx.ModelProto:
     """The `Attention`-node graph of `module` (a models.DotProductAttention, MultiHeadAttention or
     SelfAttention of `kind` with hyperparameters `hp`), with `signature(kind, hp)`'s inputs and outputs;
     without `attention_weights` where `weights` is False (model.cpu.outputs.onnx: the nodes then do not
     copy the weights out); with `cuda`, the CUDA graph (model.cuda.outputs.onnx: no weights, heads padded
-    to a multiple of 8, zero rows for valid length 0)."""
+    to a multiple of 8, zero rows for valid length 0); with `half` too, its `Attention` in fp16 (the module's
+    text, "The fp16 form")."""
     if kind not in FUSED_KINDS:
         raise ExportError(f"no fused graph for kind {kind!r}; only for {', '.join(FUSED_KINDS)}")
     if cuda and weights:
         raise ExportError("the CUDA graph has no attention_weights output (CUDA's kernel cannot return them)")
+    if half and not cuda:
+        raise ExportError("only the CUDA graph has an fp16 form (for CUDA's Flash kernel)")
     inputs, outputs = signature(kind, hp)
     if not weights:
         outputs = [s for s in outputs if s.name != "attention_weights"]
@@ -190,6 +204,9 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
     # MultiHeadAttention's _split_heads and its transpose-reshape do. Its weights are (batch, heads,
     # n_q, n_k), the graph's output as they are: dot_product's with the axis of its one head, which
     # config.json does not declare (export.repository.one_head_axis).
+    if half:  # Q, K and V in fp16 for the node alone; Y back to fp32 after it
+        cast = {x: g.op("Cast", [x], f"{x}.fp16", to=TensorProto.FLOAT16) for x in dict.fromkeys((q, k, v))}
+        q, k, v = cast[q], cast[k], cast[v]
     y, scores = "attended", "attention_weights"
     attention: dict[str, Any] = {"q_num_heads": heads, "kv_num_heads": heads}
     if not cuda:
@@ -226,9 +243,12 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
     by_length_out, by_mask_out = {"y_by_length": y_shape}, {"y_by_mask": y_shape}
     if weights:
         by_length_out["w_by_length"] = by_mask_out["w_by_mask"] = w_shape
-    g.op("If", [per_example], [f"{y}_by_if" if cuda else y, scores][:2 if weights else 1],
-         then_branch=by_length.subgraph("by_length", by_length_out),
-         else_branch=by_mask.subgraph("by_mask", by_mask_out))
+    node_type = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    g.op("If", [per_example], [f"{y}_fp16" if half else f"{y}_by_if" if cuda else y, scores][:2 if weights else 1],
+         then_branch=by_length.subgraph("by_length", by_length_out, node_type),
+         else_branch=by_mask.subgraph("by_mask", by_mask_out, node_type))
+    if half:
+        g.op("Cast", [f"{y}_fp16"], f"{y}_by_if", to=TensorProto.FLOAT)
     if cuda:  # a query of valid length 0 attends to nothing: a zero row, which CUDA's kernels do not all make
         attends = g.op("Unsqueeze", [g.op("Greater", ["valid_lens", "zero_64"], "attends_2d"),
                                      g.const("axis_2", np.array([2], np.int64))], "attends")  # (batch, n_q, 1)
@@ -243,7 +263,7 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
         g.linear(y, module.W_o, "W_o", output="outputs", pad=pad, rows=True)
 
     graph = helper.make_graph(
-        g.nodes, f"{kind}_fused_cuda" if cuda else f"{kind}_fused",
+        g.nodes, f"{kind}_fused_cuda{'_fp16' if half else ''}" if cuda else f"{kind}_fused",
         [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], list(s.shape)) for s in inputs],
         [helper.make_tensor_value_info(s.name, _TYPES[s.dtype], w_shape if (kind, s.name) == ("dot_product", scores)
                                        else list(s.shape)) for s in outputs],
@@ -256,10 +276,10 @@ def fused_graph(kind: str, module: nn.Module, hp: dict[str, Any], weights: bool 
 
 
 def export_fused(module: nn.Module, kind: str, hp: dict[str, Any], path: Path, weights: bool = True,
-                 cuda: bool = False) -> int:
-    """Write `module`'s fused graph (without the weights where `weights` is False; CUDA's with `cuda`) to
-    `path` (one self-contained file); returns the opset."""
-    model = fused_graph(kind, module, hp, weights, cuda)
+                 cuda: bool = False, half: bool = False) -> int:
+    """Write `module`'s fused graph (without the weights where `weights` is False; CUDA's with `cuda`, in
+    fp16 with `half`) to `path` (one self-contained file); returns the opset."""
+    model = fused_graph(kind, module, hp, weights, cuda, half)
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:

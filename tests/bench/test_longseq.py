@@ -1,5 +1,6 @@
-"""bench/longseq.py on the CPU at two small n: each point in a process of its own, both graphs of both
-models, the table written into a markdown section from the results file; a point that fails (here: a time
+"""bench/longseq.py on the CPU at two small n: each point in a process of its own, the three graphs of both
+models (model.onnx, the served graph without weights, CUDA's graph in fp16), the table written into a
+markdown section from the results file; a point that fails (here: a time
 limit too short to start) is a row of the table and the larger n are not tried; the kernels named from ONNX
 Runtime's VERBOSE lines as its CUDA kernel of `Attention` writes them."""
 
@@ -45,10 +46,12 @@ def test_the_models_are_exports_builders_with_the_benchs_sizes(models):
     assert read_config(models / "multi_head").hyperparameters == {
         "key_size": 512, "query_size": 512, "value_size": 512, "num_hiddens": 512, "num_heads": 8, "bias": False}
     for kind in ("dot_product", "multi_head"):
-        assert set(read_config(models / kind).variants) == {"cpu", "cpu_outputs", "cuda_outputs"}
+        config = read_config(models / kind)
+        assert set(config.variants) == {"cpu", "cpu_outputs", "cuda_outputs"}
+        assert (models / kind / str(config.version) / longseq.HALF).is_file()  # not a variant: the bench's own
 
 
-def test_the_table_has_both_graphs_of_both_models_at_each_n(models, tmp_path):
+def test_the_table_has_every_graph_of_both_models_at_each_n(models, tmp_path):
     doc, results = tmp_path / "benchmarks.md", tmp_path / "longseq.json"
     doc.write_text("# x\n\n<!-- longseq-cpu -->\nold\n<!-- /longseq-cpu -->\n\nafter\n")
     _bench("--device", "cpu", "--repository", models, "--sizes", 64, 128, "--repeats", 5, "--seconds", 0.1,
@@ -57,19 +60,24 @@ def test_the_table_has_both_graphs_of_both_models_at_each_n(models, tmp_path):
     assert "old" not in text and text.endswith("<!-- /longseq-cpu -->\n\nafter\n")
     assert "command: `python bench/longseq.py --device cpu --repository" in text and ", no GPU used;" in text
     rows = _rows(text)
-    assert [row[:2] for row in rows] == [["dot_product (d = 64)", "64"], ["dot_product (d = 64)", "128"],
-                                         ["multi_head (8 heads of 64)", "64"], ["multi_head (8 heads of 64)", "128"]]
-    for row in rows:
-        decomposed, fused = float(row[2]), float(row[4])
-        assert decomposed > 0 and fused > 0 and float(row[7]) == pytest.approx(decomposed / fused, rel=0.02, abs=0.01)
-        for cell in (row[3], row[5]):  # resident MiB: the session's + the runs' peak
-            session, runs = (float(x.replace(",", "")) for x in cell.split(" + "))
-            assert session > 0 and runs >= 0
-        assert row[6] == "CPU kernel" and float(row[8]) < 1e-5  # the same numbers from both graphs
+    graphs = ["model.onnx", "model.cpu.outputs.onnx", "model.cuda.outputs.fp16.onnx"]
+    assert [row[:3] for row in rows] == [[f"{kind}", f"{n}", graph]
+                                         for kind in ("dot_product (d = 64)", "multi_head (8 heads of 64)")
+                                         for n in (64, 128) for graph in graphs]
+    for base, served, half in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
+        assert base[5:] == ["-", "-", "-"]  # model.onnx: no Attention node, the reference of the ratios
+        for row in (served, half):
+            assert float(row[6]) == pytest.approx(float(base[3]) / float(row[3]), rel=0.02, abs=0.01)
+            assert row[5] == "CPU kernel"
+        assert float(served[7]) < 1e-5  # the served graph: model.onnx's numbers
+        assert 1e-6 < float(half[7]) < 2e-3  # fp16: its rounding, within export.fused.HALF_TOLERANCE
+        for row in (base, served, half):  # resident MiB: the session's + the runs' peak
+            session, runs = (float(x.replace(",", "")) for x in row[4].split(" + "))
+            assert float(row[3]) > 0 and session > 0 and runs >= 0
     assert "- dot_product, the longest n served in one request: model.onnx 128 (the largest tried); " \
-        "model.cpu.outputs.onnx 128 (the largest tried)" in text
+        "model.cpu.outputs.onnx 128 (the largest tried); model.cuda.outputs.fp16.onnx 128 (the largest tried)" in text
     saved = json.loads(results.read_text())
-    assert saved["device"] == "cpu" and saved["graphs"] == ["model.onnx", "model.cpu.outputs.onnx"]
+    assert saved["device"] == "cpu" and saved["graphs"] == graphs
     assert {(p["kind"], p["n"], p["graph"], p["status"]) for p in saved["points"]} == {
         (k, n, g, "ok") for k in ("dot_product", "multi_head") for n in (64, 128) for g in saved["graphs"]}
     assert all(p["runs"] >= 3 and p["finite"] and p["memory_source"] == "VmRSS / ru_maxrss" for p in saved["points"])
@@ -85,12 +93,11 @@ def test_a_point_that_fails_is_a_row_and_larger_n_are_not_tried(models, tmp_path
     out = _bench("--device", "cpu", "--repository", models, "--kinds", "dot_product", "--sizes", 64, 128,
                  "--point-timeout", 0.05, "--results", results)
     points = json.loads(results.read_text())["points"]
-    assert [(p["n"], p["status"]) for p in points] == [(64, "timeout"), (64, "timeout"), (128, "not run"),
-                                                       (128, "not run")]
-    assert points[2]["error"] == "failed at n = 64"
-    assert _rows(out) == [["dot_product (d = 64)", "64", "timeout", "-", "timeout", "-", "-", "-", "-"],
-                          ["dot_product (d = 64)", "128", "not run (failed at n = 64)", "-",
-                           "not run (failed at n = 64)", "-", "-", "-", "-"]]
+    assert [(p["n"], p["status"]) for p in points] == [(64, "timeout")] * 3 + [(128, "not run")] * 3
+    assert points[3]["error"] == "failed at n = 64"
+    graphs = ["model.onnx", "model.cpu.outputs.onnx", "model.cuda.outputs.fp16.onnx"]
+    assert _rows(out) == [["dot_product (d = 64)", "64", g, "timeout", "-", "-", "-", "-"] for g in graphs] + [
+        ["dot_product (d = 64)", "128", g, "not run (failed at n = 64)", "-", "-", "-", "-"] for g in graphs]
     assert "model.onnx none of the sizes tried" in out
 
 

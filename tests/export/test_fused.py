@@ -2,7 +2,8 @@
 model.onnx, named in config.json, and the same numbers as the PyTorch module, the book's code and the
 plain-math oracle, valid lengths 0 and full included. The same of its twin without the weights
 (`model.cpu.outputs.onnx`) and of CUDA's graph without them (`model.cuda.outputs.onnx`: heads padded to a
-multiple of 8), both run here on ONNX Runtime's CPU execution provider."""
+multiple of 8), both run here on ONNX Runtime's CPU execution provider; and of that graph's fp16 form (a
+bench's, bench/longseq.py), to fp16's precision."""
 
 import json
 
@@ -15,7 +16,7 @@ import torch
 from export.build import build_module, make_inputs
 from export.cli import main
 from export.errors import ExportError, ValidationError
-from export.fused import FUSED_KINDS, _pad_heads, fused_graph, padded_head_size
+from export.fused import FUSED_KINDS, HALF_TOLERANCE, _pad_heads, fused_graph, padded_head_size
 from export.repository import (
     CONFIG_FILE,
     CPU_GRAPH_LOG_SEVERITY,
@@ -430,3 +431,56 @@ def test_a_cuda_graph_that_fails_validation_publishes_nothing(tmp_path, monkeypa
     with pytest.raises(ValidationError, match="outputs differs from PyTorch"):
         publish.export_model(repo, "mha", "multi_head", default_hyperparameters("multi_head"))
     assert sorted(p.name for p in repo.iterdir()) == []
+
+
+def _half(kind):
+    hp = default_hyperparameters(kind)
+    torch.manual_seed(0)
+    module = build_module(kind, hp)
+    return module, hp, fused_graph(kind, module, hp, weights=False, cuda=True, half=True)
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+def test_the_fp16_graph_is_the_cuda_graph_with_its_attention_in_fp16(repository, kind):
+    """fp32 in and out, as CUDA's graph; Q, K and V cast to fp16 for each `Attention` node (its attributes
+    CUDA's graph's), Y cast back before the Where; the module's outputs within HALF_TOLERANCE on the
+    validator's sweep and more."""
+    module, hp, model = _half(kind)
+    onnx.checker.check_model(model, full_check=True)
+    fp32 = onnx.load(str(_cuda_path(repository, kind)))
+    assert model.graph.input == fp32.graph.input and model.graph.output == fp32.graph.output
+    makers = {output: node for node in model.graph.node for output in node.output}
+    for branch, attention in _attention_nodes(model).items():
+        assert attention.attribute == _attention_nodes(fp32)[branch].attribute, branch
+        for name in attention.input[:3]:
+            cast = makers[name]
+            assert cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT16, (branch, name)
+    assert makers[makers["attended"].input[1]].op_type == "Cast"  # Y back to fp32, then the Where
+    with pytest.raises(ExportError, match="only the CUDA graph"):
+        fused_graph(kind, module, hp, weights=False, half=True)
+    session = _session(model)
+    for seed, case in enumerate(sweep(kind, hp) + _extra_cases(kind)):
+        run_case(module, session, kind, hp, case, seed=seed, weights=False, tolerance=HALF_TOLERANCE)
+
+
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_the_fp16_graph_keeps_masked_keys_out_within_fp16s_range(form):
+    """No -1e6 in fp16: keys past every query's length (+-1000: scores of about 1e4) leave the outputs as
+    they were, bit for bit, and a row of valid length 0 stays zeros. Past fp16's range (1e6) such a key
+    becomes inf and, on the CPU's kernel, NaN in the outputs: the graph may only run requests whose
+    values and scores fit fp16 (+-65504; at 6e4 a masked key's score overflows and wins the mask's row)."""
+    _, _, model = _half("dot_product")
+    session = _session(model)
+    rng = np.random.default_rng(9)
+    batch, n_q, n_k = 3, 4, 8
+    Q, K, V = (rng.standard_normal(s, dtype=np.float32) for s in ((batch, n_q, 8), (batch, n_k, 8), (batch, n_k, 5)))
+    lens = np.array([[0] * n_q, [3] * n_q, [n_k] * n_q]) if form == "1d" else \
+        np.array([[0, 1, 2, 3], [3, 2, 3, 1], [n_k, 4, 4, 4]])
+    (base,) = session.run(None, {"queries": Q, "keys": K, "values": V, "valid_lens": lens})
+    assert np.isfinite(base).all() and not base[lens == 0].any() and base[lens > 0].all()
+    for big, same in ((1e3, True), (1e6, False)):
+        K2, V2 = K.copy(), V.copy()
+        for i, longest in enumerate(lens.max(axis=1)):
+            K2[i, longest:], V2[i, longest:] = big, -big
+        (out,) = session.run(None, {"queries": Q, "keys": K2, "values": V2, "valid_lens": lens})
+        assert np.array_equal(out, base) is same and np.isnan(out).any() is not same, big

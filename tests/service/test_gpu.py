@@ -265,3 +265,33 @@ def test_scores_past_32_bit_indexes_are_refused_before_they_run(cuda_registry, r
         served = client.post("/attend", json=body | {"return_weights": False})
         assert served.status_code == 200, served.text
         assert np.allclose(np.asarray(served.json()["outputs"]), 1.0)
+
+
+@pytest.mark.parametrize("kind", FUSED_KINDS)
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_the_fp16_graph_runs_flash_to_fp16s_precision(cuda_registry, kind, form, tmp_path):
+    """bench/longseq.py's fp16 graph (export.fused, `half`), built here from a seeded module beside its fp32
+    CUDA graph: lengths one an example run Flash attention (fp16, no mask), one a query not (Flash takes no
+    mask); the outputs are the fp32 graph's (on the CPU) within HALF_TOLERANCE, rows of valid length 0 zeros."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from export.build import build_module
+    from export.fused import HALF_TOLERANCE, fused_graph
+
+    hp = cuda_registry.get(kind).config.hyperparameters
+    torch.manual_seed(0)
+    module = build_module(kind, hp)
+    path = tmp_path / "half.onnx"
+    onnx.save(fused_graph(kind, module, hp, weights=False, cuda=True, half=True), str(path))
+    fp32 = ort.InferenceSession(fused_graph(kind, module, hp, weights=False, cuda=True).SerializeToString(),
+                                providers=[CPU])
+    feed = example_feed(kind, hp, FUSED_SIZES[2], np.random.default_rng(4))
+    lens = _lengths(feed, form)
+    kernels = _kernels(path, feed)
+    assert kernels == ["Flash"] if form == "1d" else "Flash" not in kernels, kernels
+    (got,) = ort.InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0"})]).run(["outputs"], feed)
+    (want,) = fp32.run(["outputs"], feed)
+    np.testing.assert_allclose(got, want, rtol=HALF_TOLERANCE, atol=HALF_TOLERANCE)
+    assert (lens == 0).any() and not got[lens == 0].any()
