@@ -17,7 +17,8 @@ once at VERBOSE and is let go, and a second, quiet, is measured. Memory, CUDA: t
 (cudaMemGetInfo, else nvidia-smi) after that session is made and after its runs, less before it (the
 CUDA context made first, not counted); the CUDA execution provider's arena grows by what is asked
 (arena_extend_strategy kSameAsRequested) and gives nothing back, so after the runs it holds its
-high-water mark. CPU: the process's resident memory (VmRSS before, the peak ru_maxrss after). CUDA runs
+high-water mark. CPU: the process's resident memory (VmRSS before, its peak VmHWM after: ru_maxrss would
+keep the parent's size at the fork across exec). CUDA runs
 with use_tf32=0, as the service by default; one intra-op thread.
 
 Bounded: each point by --point-timeout, the whole table by --budget (points left over are rows "not run");
@@ -41,7 +42,6 @@ import importlib.util
 import json
 import os
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -128,7 +128,7 @@ class _Memory:
     nvidia-smi), or this process's resident memory."""
 
     def __init__(self, device: str):
-        self.device, self.source, self._cudart = device, "VmRSS / ru_maxrss", None
+        self.device, self.source, self._cudart = device, "VmRSS / VmHWM", None
         if device != "cuda":
             return
         for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
@@ -140,10 +140,8 @@ class _Memory:
 
     def used(self, peak: bool = False) -> float | None:
         if self.device != "cuda":
-            if peak:
-                return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             status = Path("/proc/self/status").read_text()
-            return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+            return int(re.search(r"VmHWM:\s+(\d+)" if peak else r"VmRSS:\s+(\d+)", status).group(1)) / 1024
         if self._cudart is not None:
             free, total = ctypes.c_size_t(), ctypes.c_size_t()
             if self._cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0:
