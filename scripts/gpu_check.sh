@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks only a GPU machine can run, in one go, each step bounded in time and all of them by BUDGET
 # (at most 9 minutes): what ONNX Runtime sees there, the gpu-marked tests, the long-sequence table
-# (bench/longseq.py: model.onnx against the fused graph, outputs only) and the scaling sweep
+# (bench/longseq.py: model.onnx against the fused graph and its fp16 form, outputs only) and the scaling sweep
 # (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside).
 # Each step's output goes to OUT/<step>.txt, its exit status to OUT/summary.txt, the benches' results to
 # OUT/*.json; back on a development machine their `--report --out docs/benchmarks.md` writes the docs.
@@ -10,7 +10,8 @@
 #
 # Needs onnxruntime-gpu importable by PYTHON (scripts/gpu_bundle.sh packs it), wrk on the PATH,
 # tritonclient for the gRPC row, an exported REPOSITORY and LONGSEQ (`python bench/longseq.py --export
-# DIR`). Settings, from the environment: PYTHON (python3), REPOSITORY (model_repository), LONGSEQ
+# DIR`; one exported before 2026-11-28 16:00 UTC has no fp16 graph, whose rows then read "not run").
+# Settings, from the environment: PYTHON (python3), REPOSITORY (model_repository), LONGSEQ
 # (build/longseq), BUDGET (seconds for every step together, 530).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
