@@ -10,7 +10,7 @@
 #
 # Needs onnxruntime-gpu importable by PYTHON (scripts/gpu_bundle.sh packs it), wrk on the PATH,
 # tritonclient for the gRPC row, an exported REPOSITORY and LONGSEQ (`python bench/longseq.py --export
-# DIR`; one exported before 2026-11-28 16:00 UTC has no fp16 graph, whose rows then read "not run").
+# DIR`; one exported before commit 517cfc6 has no fp16 graph, whose rows then read "not run").
 # Settings, from the environment: PYTHON (python3), REPOSITORY (model_repository), LONGSEQ
 # (build/longseq), BUDGET (seconds for every step together, 530).
 set -uo pipefail
