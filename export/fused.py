@@ -72,7 +72,9 @@ for all heads, and still no score matrix where the memory-efficient kernel runs.
 The fp16 form (`half=True`, a bench's graph, not served: `python bench/longseq.py` measures whether it
 pays): the CUDA graph with Q, K and V cast to fp16 for the `Attention` node and Y cast back, which
 Flash attention takes (fp16 only). The projections and W_o stay fp32. No -1e6 is added in fp16 (it
-overflows): lengths one an example mask in the kernel, per query through a boolean mask.
+overflows): lengths one an example mask in the kernel, per query through a boolean mask. The values
+and scores of a request must fit fp16 (+-65504), masked keys' too: past it they become inf, and the
+outputs NaN on the CPU's kernel (tests/export/test_fused.py). A served form would check that first.
 """
 
 from __future__ import annotations
