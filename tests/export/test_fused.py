@@ -32,7 +32,7 @@ from export.repository import (
 )
 from export.validate import _valid_lens, run_case, sweep
 from tests import book
-from tests.export.test_export import _extra_cases
+from tests.export.test_export import _default_module, _extra_cases
 from tests.models import oracle
 
 pytestmark = pytest.mark.slow
@@ -434,9 +434,7 @@ def test_a_cuda_graph_that_fails_validation_publishes_nothing(tmp_path, monkeypa
 
 
 def _half(kind):
-    hp = default_hyperparameters(kind)
-    torch.manual_seed(0)
-    module = build_module(kind, hp)
+    hp, module = default_hyperparameters(kind), _default_module(kind)
     return module, hp, fused_graph(kind, module, hp, weights=False, cuda=True, half=True)
 
 
