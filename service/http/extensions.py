@@ -29,8 +29,9 @@ tests/service/test_layers.py checks that each exists in the installed uvicorn):
     its RequestResponseCycle's fields: body, more_body, disconnected, response_started, response_complete,
         waiting_for_100_continue;
     uvicorn.protocols.http.flow_control.FlowControl: read_paused, resume_reading;
-    uvicorn.Server: startup, shutdown, handle_exit, servers, server_state (tasks, connections),
-        lifespan, started, config (http_protocol_class, loaded_app);
+    uvicorn.Server: startup (given no socket, it makes no server: a worker of several accepts on its own,
+        service.http.accept), shutdown, handle_exit, servers, server_state (tasks, connections), lifespan,
+        started, config (http_protocol_class, loaded_app, backlog);
     uvicorn.supervisors.multiprocess: Multiprocess (processes, sockets, should_exit, terminate_all,
         handle_hup), Process (config, _server), whose module-level name run_workers replaces while
         the supervisor runs.

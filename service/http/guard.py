@@ -12,6 +12,7 @@ from service.config import Settings, get_settings
 from service.core.metrics import Metrics
 
 if TYPE_CHECKING:
+    from service.http.accept import Shares
     from service.http.protocol import GuardedProtocol
 
 
@@ -56,12 +57,20 @@ class Guard:
         self.refusals = metrics.refusals if metrics is not None else {}
         self.protocols: set[GuardedProtocol] = set()
         self.busy = BusyConnections()
+        self.shares: Shares | None = None  # where a worker of several tells the others how many it holds
         self._sweeping: asyncio.TimerHandle | None = None
 
     def add(self, protocol: GuardedProtocol) -> None:
         self.protocols.add(protocol)
+        if self.shares is not None:
+            self.shares.set(len(self.protocols))
         if self._sweeping is None:
             self._sweeping = protocol.loop.call_later(_SWEEP_S, self._sweep, protocol.loop)
+
+    def remove(self, protocol: GuardedProtocol) -> None:
+        self.protocols.discard(protocol)
+        if self.shares is not None:
+            self.shares.set(len(self.protocols))
 
     def refused(self, reason: str) -> None:
         counter = self.refusals.get(reason)

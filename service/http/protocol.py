@@ -367,7 +367,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._draining = False
         self._awaiting_headers = False
         self._body_check = 0.0
-        self.guard.protocols.discard(self)
+        self.guard.remove(self)
         if self._sink is not None and not self._sink.done.done():
             self._sink.done.set_result(None)
         self._sink = None

@@ -28,6 +28,7 @@ from service.config import Settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging, flush_logs
 from service.core.runtime import StartupError
+from service.http.accept import BalancedListener, Shares
 from service.http.guard import Guard
 from service.http.protocol import GuardedProtocol
 
@@ -62,7 +63,14 @@ class GracefulServer(uvicorn.Server):
         # its refusals counted in the app's metrics.
         state = self.app.state  # type: ignore[attr-defined]
         self.config.attend_guard = guard = Guard(state.settings, state.dataplane.metrics)
-        await super().startup(sockets)
+        # A worker of several accepts its share of the connections (service.http.accept), not uvloop.
+        shares = getattr(self.config, "attend_shares", None)
+        balanced = bool(sockets) and shares is not None and shares.claim()
+        await super().startup([] if balanced else sockets)
+        if self.started and balanced:
+            guard.shares = shares
+            self.servers = [BalancedListener(s, self._protocol, shares, guard.protocols.__len__, self.config.backlog)
+                            for s in sockets or ()]
         if self.started:
             # The requests in progress (uvicorn's own set) and the connections with a client busy
             # sending requests: the batching reads how many.
@@ -278,6 +286,7 @@ def run_workers(settings: Settings, factory: str = "service.asgi:create_app") ->
 
     config = uvicorn.Config(factory, factory=True, workers=settings.workers,
                             **uvicorn_options(settings))
+    config.attend_shares = Shares(settings.workers)  # type: ignore[attr-defined]
     # uvicorn's supervisor makes its workers with its module's Process: ours, while it runs.
     process, multiprocess.Process = multiprocess.Process, Worker  # type: ignore[misc]
     try:

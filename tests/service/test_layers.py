@@ -127,7 +127,7 @@ def _assigned(cls: type) -> set[str]:
 
 
 def test_the_uvicorn_internals_the_transport_touches_are_there():
-    from uvicorn import Server
+    from uvicorn import Config, Server
     from uvicorn.protocols.http import httptools_impl
     from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.supervisors import multiprocess
@@ -142,6 +142,7 @@ def test_the_uvicorn_internals_the_transport_touches_are_there():
     for name in ("startup", "shutdown", "handle_exit"):
         assert callable(getattr(Server, name)), name
     assert {"servers", "server_state", "lifespan", "started", "config"} <= _assigned(Server)
+    assert "backlog" in _assigned(Config)
     assert {"processes", "sockets", "should_exit"} <= _assigned(multiprocess.Multiprocess)
     assert callable(multiprocess.Multiprocess.terminate_all) and callable(multiprocess.Multiprocess.handle_hup)
     assert {"config", "_server"} <= _assigned(multiprocess.Process)
