@@ -55,7 +55,7 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
             time.sleep(0.2)
         assert len(worker_pids(url)) == 2, f"one worker up {first:.1f} s after the start, the second not in as long"
 
-        for _ in range(n):  # a new connection each: the kernel spreads them over both workers
+        for _ in range(n):  # a new connection each: both workers take some (service.http.accept)
             r = httpx.post(f"{url}/attend", content=TOY, headers=JSON)
             assert r.status_code == 200
         # Every scrape, whichever worker answers it, counts all of them (not one worker's share).
