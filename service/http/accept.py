@@ -44,6 +44,17 @@ class Shares:
         finally:
             self._lock.release()
 
+    def release(self, pid: int) -> None:
+        """The supervisor's, for a worker that ended: its slot is free, and its count no longer in the mean."""
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            for i in range(0, len(self._slots), 2):
+                if self._slots[i] == pid:
+                    self._slots[i + 1], self._slots[i] = 0, 0
+        finally:
+            self._lock.release()
+
     def set(self, connections: int) -> None:
         self._slots[self._mine + 1] = connections
 

@@ -262,6 +262,9 @@ class Supervisor(multiprocess.Multiprocess):
                 # It left its live gauges' files: /metrics would go on counting its requests in flight and
                 # listing its pid. Its counters stay (the totals hold what it served).
                 metrics_files.mark_process_dead(old.pid)
+                shares = getattr(self.config, "attend_shares", None)
+                if shares is not None:  # nor the others count its connections while its replacement starts
+                    shares.release(old.pid)
 
     def _forward(self, sig: int) -> None:
         for process in self.processes:

@@ -48,7 +48,10 @@ def test_a_worker_is_over_its_share_past_the_mean_plus_one_and_a_dead_ones_slot_
     fourth.start()
     assert claimed.get(timeout=60) is True
     fourth.join(timeout=30)
-    assert not shares.over(5) and shares.over(6)  # 6 of 9: mean 4.5, + 1 = 5.5
+    assert not shares.over(5) and shares.over(6)  # 6 and 3: mean 4.5, + 1 = 5.5
+    # The supervisor releases an ended worker's slot: the mean is this worker's alone until another claims it.
+    shares.release(fourth.pid)
+    assert not shares.over(6) and not shares.over(100)
 
 
 def test_a_worker_over_its_share_waits_its_patience_for_each_new_connection(monkeypatch):
