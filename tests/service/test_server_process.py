@@ -114,7 +114,11 @@ def test_concurrent_requests_over_http_are_batched_and_each_answer_is_its_own(re
               for b in mixed_bodies(kind, 24, seed=11)]
     registry = Registry.load(repository, "cpu", 1)
     with running_service(repository) as (url, _):
-        with httpx.Client(base_url=url, timeout=30, limits=httpx.Limits(max_connections=32)) as http:
+        # As many kept alive as open: httpcore 1.0.9's pool closes a surplus idle connection it has already
+        # given a waiting thread (encode/httpcore#1110), and that thread reads a closed socket (EBADF; a
+        # fresh-clone run, 2026-11-28).
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        with httpx.Client(base_url=url, timeout=30, limits=limits) as http:
             def send(body):
                 return http.post("/attend", content=body, headers={"content-type": "application/json"})
 
