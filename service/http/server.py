@@ -305,7 +305,12 @@ def check_in_a_process(settings: Settings) -> None:
     """ATTEND_WORKERS > 1: the repository loaded as a worker will load it, in a process of its own that is gone
     before the workers start (StartupError: why it cannot be served). Loaded in the supervisor, the sessions
     would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing."""
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    try:  # the pool's queue, like the workers' shares (service.http.accept), takes POSIX semaphores
+        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    except OSError as e:
+        raise StartupError(f"ATTEND_WORKERS={settings.workers} needs a writable /dev/shm (POSIX shared memory): "
+                           f"{e.strerror}") from None
+    with pool:
         failure = pool.submit(_load, settings).result()
     if failure:
         raise StartupError(failure)

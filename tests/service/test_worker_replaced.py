@@ -180,3 +180,23 @@ def test_with_workers_a_repository_that_cannot_be_served_stops_the_start_in_one_
     assert done.stderr.strip().endswith(f"cannot start: model repository {tmp_path / 'nowhere'} does not exist "
                                         "(run `python -m export`)"), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_with_workers_and_no_writable_dev_shm_the_start_says_so_in_one_line(repository):
+    """The workers' processes share semaphores and memory through /dev/shm: where it is read-only, the start
+    stops with that said, not a traceback. Run in a mount namespace of its own over a read-only tmpfs."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("needs root and unshare(1) to mount a read-only /dev/shm in a namespace of its own")
+    env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_GRPC_PORT": "0",
+                        "ATTEND_DEVICE": "cpu", "ATTEND_PORT": str(free_port())}
+    script = 'mount -t tmpfs -o ro,size=1m tmpfs /dev/shm && exec "$0" -m service'
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().endswith("cannot start: ATTEND_WORKERS=2 needs a writable /dev/shm (POSIX shared "
+                                        "memory): Read-only file system"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
