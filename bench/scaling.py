@@ -61,7 +61,7 @@ from pools import ROWS, SEED, TRANSPORTS, WORKLOADS, make_pools  # noqa: E402
 from run import PLAIN, machine, service_env  # noqa: E402
 
 from tests.load.report import write_section  # noqa: E402
-from tests.server import children, free_port, running_service  # noqa: E402
+from tests.server import children, free_port, running_service, served_by_worker  # noqa: E402
 
 DEFAULT_ROWS = ("W1", "W2bin", "W1grpc")
 SAMPLE_S = 0.1
@@ -99,12 +99,6 @@ def cpu_list(cores: list[int]) -> str:
 
 def metrics(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
-
-
-def served_by_worker(text: str) -> dict[int, float]:
-    """attend_worker_served of each live worker (ATTEND_WORKERS > 1), by pid."""
-    return {int(pid): float(value) for pid, value in
-            re.findall(r'^attend_worker_served\{pid="(\d+)"\} (\S+)', text, re.M)}
 
 
 def wait_for_workers(url: str, n: int, timeout: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -105,6 +106,12 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
                         os.kill(pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+def served_by_worker(text: str) -> dict[int, float]:
+    """attend_worker_served of each live worker (ATTEND_WORKERS > 1), by pid."""
+    return {int(pid): float(value) for pid, value in
+            re.findall(r'^attend_worker_served\{pid="(\d+)"\} (\S+)', text, re.M)}
 
 
 def proc_stat(pid: int | str) -> list[str]:

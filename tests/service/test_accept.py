@@ -4,7 +4,6 @@ they decide by."""
 import asyncio
 import multiprocessing
 import os
-import re
 import signal
 import socket
 import time
@@ -15,8 +14,9 @@ import pytest
 
 from service.http import accept
 from service.http.accept import Shares
-from tests.server import running_service
-from tests.service.test_workers import TOY, counter, worker_pids
+from tests.server import running_service, served_by_worker
+from tests.service.test_overload import read_response
+from tests.service.test_workers import TOY, worker_pids
 
 
 def _claim_and_hold(shares: Shares, connections: int, claimed, release) -> None:
@@ -102,20 +102,7 @@ async def _patience(shares: Shares) -> None:
 
 
 def _served(url: str) -> dict[int, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {pid: counter(text, "attend_worker_served", pid=str(pid)) for pid in worker_pids(url)}
-
-
-def _answer(c: socket.socket) -> bytes:
-    """One response on a kept-alive connection: its headers, and its body by Content-Length."""
-    answer = b""
-    while b"\r\n\r\n" not in answer:
-        answer += c.recv(65536) or b"\r\n\r\n"
-    head, _, body = answer.partition(b"\r\n\r\n")
-    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
-    while len(body) < length:
-        body += c.recv(65536)
-    return answer
+    return served_by_worker(httpx.get(f"{url}/metrics").text)
 
 
 @pytest.mark.slow
@@ -136,7 +123,7 @@ def test_connections_opened_at_once_spread_evenly_over_two_workers(repository):
             for c in connections:
                 c.sendall(request)
             for c in connections:
-                assert _answer(c).startswith(b"HTTP/1.1 200 ")
+                assert read_response(c, timeout=30)[0] == 200
                 c.close()
             return {pid: count - before.get(pid, 0) for pid, count in _served(url).items()}
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from service.http.schemas import toy_request
-from tests.server import running_service
+from tests.server import running_service, served_by_worker
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,7 @@ def counter(metrics: str, name: str, **labels: str) -> float:
 
 def worker_pids(url: str) -> set[int]:
     """The live workers: each has its own attend_worker_served, labelled by pid."""
-    text = httpx.get(f"{url}/metrics").text
-    return {int(p) for p in re.findall(r'^attend_worker_served\{pid="(\d+)"\}', text, re.M)}
+    return set(served_by_worker(httpx.get(f"{url}/metrics").text))
 
 
 def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
