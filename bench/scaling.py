@@ -213,6 +213,25 @@ def memory(server: dict, gpu: bool) -> dict:
     return out
 
 
+def choices(url: str, rows: list[str]) -> dict[str, str]:
+    """The rows' models' choice of graphs (GET /models/{name}'s graphs; every worker's is the start's check's),
+    as the service's log writes it, where the warm-up timed them."""
+    out = {}
+    for model in dict.fromkeys(WORKLOADS[ROWS[row][0]].text.split(",")[0] for row in rows):
+        response = httpx.get(f"{url}/models/{model}", timeout=30)
+        if response.status_code == 200 and response.json().get("graph_timings"):
+            out[model] = describe_graphs(response.json()["graphs"])
+    return out
+
+
+def describe_graphs(graphs: list[dict]) -> str:
+    def one(weights: bool) -> str:
+        return ", then ".join(f"{g['file']} on {'CUDA' if 'CUDA' in g['provider'] else 'CPU'}" + (
+            f" up to {g['up_to_elements']} elements" if g["up_to_elements"] is not None else "")
+            for g in graphs if g["weights"] is weights)
+    return f"with the weights: {one(True)}; without: {one(False)}"
+
+
 # -------------------------------------------------------------------------------------------- sampling
 
 class Sampler:
@@ -404,6 +423,8 @@ def sweep_count(args: argparse.Namespace, results: dict, pools: dict, device: st
                                "at_start": memory(server, gpu)}
             if used is not None and base is not None:
                 server["entry"]["gpu_mib_added_both"] = round(used - base, 1)
+            if kind == "service":
+                server["entry"]["graphs"] = choices(server["url"], results["settings"]["rows"])
             results["servers"].append(server["entry"])
         stack.callback(stop_together, servers)  # first on the way out: the servers drain at once
         warmed: set[tuple[str, str]] = set()
@@ -543,6 +564,13 @@ def render(results: dict) -> list[str]:
                      f"{_fmt(_median(gpu_workers), '.0f')} | "
                      f"{_fmt(supervisor_gpu[0] if supervisor_gpu else None, '.0f') if s['device'] == 'cuda' else '-'}"
                      f" | {_fmt(s.get('gpu_mib_added_both'), '.0f')} |")
+
+    chosen = [(s, model, text) for s in results["servers"] for model, text in (s.get("graphs") or {}).items()]
+    if chosen:
+        lines += ["", "The service's choice of graphs (`GET /models/{name}`, timed by the start's check; every "
+                  "worker runs the same):", "", "| device | processes | model | graphs by a batch's elements |",
+                  "| --- | ---: | --- | --- |"]
+        lines += [f"| {s['device']} | {s['processes']} | {model} | {text} |" for s, model, text in chosen]
 
     device = "cuda" if "cuda" in settings["devices"] and any(k[0] == "cuda" for k in summary) else \
         settings["devices"][-1]

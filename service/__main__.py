@@ -19,6 +19,7 @@ same in every worker (service.http.server.run_workers).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
-from service.asgi import with_grpc
+from service.asgi import create_worker_app, with_grpc
 from service.config import Settings, UnknownSetting, get_settings
 from service.core import tracing
 from service.core.dataplane import load_registry
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         if settings.workers == 1:
             registry = load_registry(settings)
         else:
-            check_in_a_process(settings)  # each worker loads its own sessions
+            timings = check_in_a_process(settings)  # each worker loads its own sessions, with these times
     except StartupError as e:
         log.critical("cannot start: %s", e)
         return 1
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         app = with_grpc(create_app(settings, registry), settings)
         GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
     else:
-        run_workers(settings, "service.asgi:create_worker_app")
+        run_workers(settings, functools.partial(create_worker_app, timings))
     return 0
 
 

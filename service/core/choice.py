@@ -114,10 +114,30 @@ class Timings:
 
     elements: list[int]
     ms: dict[Entry, list[float]]
+    adopted: bool = False  # measured by another process (`adopt`)
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"elements": e, "ms": {label(entry): round(t[i], 4) for entry, t in self.ms.items()
                                        if t[i] != math.inf}} for i, e in enumerate(self.elements)]
+
+    def export(self) -> Exported:
+        """The times without the sessions: for another process of the same model version (`adopt`)."""
+        return self.elements, [(g.file, g.provider, fetched, t) for (g, fetched), t in self.ms.items()]
+
+
+# Timings as another process takes them: the rungs' elements, and (file, provider, weights fetched, ms) an entry.
+Exported = tuple[list[int], list[tuple[str, str, bool, list[float]]]]
+
+
+def adopt(exported: Exported, graphs: Sequence[Graph], has_weights: bool) -> Timings | None:
+    """Timings another process measured on these graphs' files, as this process's sessions' (None where they
+    are not what `time_graphs` would measure here: other graphs, another version's)."""
+    wanted = {(g.file, g.provider, fetched): (g, fetched) for weights in (True, False)
+              for g, fetched in entries(graphs, weights, has_weights)}
+    elements, rows = exported
+    if {row[:3] for row in rows} != set(wanted) or any(len(t) != len(elements) for *_, t in rows):
+        return None
+    return Timings(list(elements), {wanted[row[:3]]: list(row[3]) for row in rows}, adopted=True)
 
 
 def label(entry: Entry) -> str:
@@ -310,10 +330,11 @@ def fixed_choice(graphs: Sequence[Graph], has_weights: bool) -> dict[bool, Ladde
     return {True: ((UNBOUNDED, first),), False: ((UNBOUNDED, outputs),)}
 
 
-def timed_choice(model: LoadedModel, budget_s: float) -> dict[bool, Ladder]:
-    """Time the model's graphs and choose (`model.timings` keeps the times)."""
-    model.timings = time_graphs(model, budget_s)
+def timed_choice(model: LoadedModel, budget_s: float, given: Exported | None = None) -> dict[bool, Ladder]:
+    """Time the model's graphs and choose (`model.timings` keeps the times); or choose by the times `given`,
+    another process's of the same graphs (ATTEND_WORKERS: the start's check), where they fit them."""
     has_weights = "attention_weights" in model.output_names
+    model.timings = (given is not None and adopt(given, model.graphs, has_weights)) or time_graphs(model, budget_s)
     return {weights: choose(model.timings, candidates(model.graphs, weights, has_weights), weights)
             for weights in (True, False)}
 
@@ -368,14 +389,14 @@ _WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
 _TIMED_RUNS = 7
 
 
-def warm_up(model: LoadedModel, graph_timing_s: float = 0.0) -> None:
-    """Where the model has several graphs and `graph_timing_s` is not 0, times them and chooses which runs a
-    batch by its size (service.core.choice: about that many seconds). Then runs on a small and a larger
-    input, so the first client does not pay for allocation; then each timed a few times, the two in turn
-    (a burst of load slows both), the fastest of each kept in `model.run_times`: for the batcher to know
-    from the first request what a run of this model costs (a few ms a model)."""
+def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, given: Exported | None = None) -> None:
+    """Where the model has several graphs and `graph_timing_s` is not 0, times them (or takes the times `given`)
+    and chooses which runs a batch by its size (service.core.choice: about that many seconds). Then runs on
+    a small and a larger input, so the first client does not pay for allocation; then each timed a few
+    times, the two in turn (a burst of load slows both), the fastest of each kept in `model.run_times`: for
+    the batcher to know from the first request what a run of this model costs (a few ms a model)."""
     if graph_timing_s > 0 and len(model.graphs) > 1:
-        model.choice = timed_choice(model, graph_timing_s)
+        model.choice = timed_choice(model, graph_timing_s, given)
     rng = np.random.default_rng(0)
     feeds = [example_feed(model.kind, model.config.hyperparameters, sizes, rng) for sizes in _WARM_SIZES]
     elements = []

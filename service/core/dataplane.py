@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 
 from service.core import tracing
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
+from service.core.choice import Exported
 from service.core.control import ModelControl
 from service.core.cost import Budget, Cost
 from service.core.deadline import Within
@@ -106,11 +107,12 @@ class Transport(Protocol):
         """Stop once the requests in flight are answered, within ATTEND_GRACE_PERIOD_S."""
 
 
-def load_registry(settings: CoreSettings) -> Registry:
-    """Every model of the repository, loaded, checked and warmed up (StartupError: why not)."""
+def load_registry(settings: CoreSettings, timings: dict[str, Exported] | None = None) -> Registry:
+    """Every model of the repository, loaded, checked and warmed up (StartupError: why not). `timings`: the
+    graphs' times another process measured, taken instead of timing them again (service.core.runtime.Loader)."""
     return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
                          settings.cuda_tf32, settings.warmup, settings.skip_broken_models, settings.graph_timing_s,
-                         settings.flush_denormals)
+                         settings.flush_denormals, timings)
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -121,8 +123,10 @@ def _retrieved(future: asyncio.Future) -> None:
 class Dataplane:
     """The core of one app: see the module's docstring. Built with the app, opened by its lifespan."""
 
-    def __init__(self, settings: CoreSettings, metrics: Metrics | None = None, registry: Registry | None = None):
+    def __init__(self, settings: CoreSettings, metrics: Metrics | None = None, registry: Registry | None = None,
+                 timings: dict[str, Exported] | None = None):
         self.settings = settings
+        self.timings = timings  # for load_registry
         self.metrics = metrics or Metrics()
         self.limits = settings.request_limits()
         self.api_keys = settings.api_key_list()
@@ -163,7 +167,7 @@ class Dataplane:
         # OTEL_*: off unless they configure it (python -m service checked them before anything: TracingError).
         self.tracing = tracing.setup(self.metrics)
         if self.registry is None:
-            self.registry = await asyncio.to_thread(load_registry, settings)
+            self.registry = await asyncio.to_thread(load_registry, settings, self.timings)
         registry = self.registry
         on_cuda = any(registry.get(n).provider == CUDA for n in registry.names())
         device_limit = device_budget(settings.max_device_bytes, on_cuda, settings.workers)

@@ -40,7 +40,7 @@ from export.repository import (
 )
 from export.repository import model_dir as folder_of
 from service.core import denormals
-from service.core.choice import Graph, Ladder, Timings, describe_ladders, fixed_choice, pick, warm_up
+from service.core.choice import Exported, Graph, Ladder, Timings, describe_ladders, fixed_choice, pick, warm_up
 from service.core.choice import describe as describe_choice
 from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: named here too)
     CPU,
@@ -299,6 +299,11 @@ class Loader:
     warmup: bool = True
     graph_timing_s: float = 0.0  # the warm-up's time to choose among a model's graphs; 0: the fixed choice
     flush_denormals: bool = True  # service.core.denormals
+    # The graphs' times by model version (`timings_key`): those this loader measured, and those another
+    # process measured on the same files, which it takes instead of timing them again (ATTEND_WORKERS: every
+    # worker takes the start's check's, measured while nothing else ran, and so makes the same choice).
+    timings_taken: dict[str, Exported] = dataclasses.field(default_factory=dict)
+    timings_given: dict[str, Exported] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         denormals.enabled = self.flush_denormals
@@ -320,7 +325,7 @@ class Loader:
                            version=version, candidates=timing > 0)
         if self.warmup:
             try:
-                warm_up(model, timing)
+                warm_up(model, timing, self.timings_given.get(timings_key(model)))
             except Exception as e:  # warm-up failing is the model's fault too
                 raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
@@ -330,7 +335,9 @@ class Loader:
         log.info("loaded model %s (%s, version %d, %s) on %s in %.2fs", model.name, model.kind, model.config.version,
                  model.model_file, model.provider, time.perf_counter() - start)
         if model.timings is not None:
-            log.info("model %s runs %s", model.name, describe_ladders(model.choice))
+            self.timings_taken[timings_key(model)] = model.timings.export()
+            log.info("model %s runs %s%s", model.name, describe_ladders(model.choice),
+                     " (timed by the start's check)" if model.timings.adopted else "")
         return model
 
     def newest(self, name: str) -> int | None:
@@ -340,6 +347,11 @@ class Loader:
             return read_config(model_dir).version if model_dir is not None else None
         except Exception:
             return None
+
+
+def timings_key(model: LoadedModel) -> str:
+    """A model version's graphs, as the timings of them are filed (Loader)."""
+    return f"{model.name} {model.config.version} {model.sha256} " + " ".join(sorted(g.label for g in model.graphs))
 
 
 class Registry:
@@ -412,17 +424,19 @@ class Registry:
     @classmethod
     def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
              warmup: bool = True, skip_broken: bool = False, graph_timing_s: float = 0.0,
-             flush_denormals: bool = True) -> Registry:
+             flush_denormals: bool = True, timings: dict[str, Exported] | None = None) -> Registry:
         """Load and warm up every model. A model that cannot be served stops the load with a
         StartupError (one line: which model, what is wrong), or with `skip_broken` is left out
         and named in `broken`; a repository with nothing to serve is always an error. `graph_timing_s`:
-        Loader's (the service's setting is ATTEND_GRAPH_TIMING_S; this default, the fixed choice)."""
+        Loader's (the service's setting is ATTEND_GRAPH_TIMING_S; this default, the fixed choice), and so are
+        `timings` (its timings_given)."""
         if not repository.is_dir():
             raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
         dirs = list_models(repository)
         if not dirs:
             raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
-        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s, flush_denormals)
+        loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s, flush_denormals,
+                        timings_given=timings or {})
         models: dict[str, LoadedModel] = {}
         broken: dict[str, str] = {}
         for model_dir in dirs:

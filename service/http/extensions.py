@@ -34,7 +34,9 @@ tests/service/test_layers.py checks that each exists in the installed uvicorn):
         started, config (http_protocol_class, loaded_app, backlog);
     uvicorn.supervisors.multiprocess: Multiprocess (processes, sockets, should_exit, terminate_all,
         handle_hup), Process (config, _server), whose module-level name run_workers replaces while
-        the supervisor runs.
+        the supervisor runs;
+    uvicorn.Config: a callable app with factory=True, unpickled and called in each worker (run_workers's
+        factory, with the start's times of the graphs).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import struct
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -25,6 +26,7 @@ from prometheus_client import multiprocess as metrics_files
 from uvicorn.supervisors import multiprocess
 
 from service.config import Settings
+from service.core.choice import Exported
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging, flush_logs
 from service.core.runtime import StartupError
@@ -280,10 +282,10 @@ class Supervisor(multiprocess.Multiprocess):
         self._forward(signal.SIGHUP)
 
 
-def run_workers(settings: Settings, factory: str = "service.asgi:create_app") -> None:
+def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.asgi:create_app") -> None:
     """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app `factory` makes
-    (its own sessions), the metrics of all of them on every /metrics (prometheus_client's
-    multiprocess mode, in a folder of this run's own)."""
+    (its own sessions; an import string, or a callable the spawned workers unpickle), the metrics of all of
+    them on every /metrics (prometheus_client's multiprocess mode, in a folder of this run's own)."""
     metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
 
@@ -301,29 +303,33 @@ def run_workers(settings: Settings, factory: str = "service.asgi:create_app") ->
         os.rmdir(metrics_dir)
 
 
-def check_in_a_process(settings: Settings) -> None:
+def check_in_a_process(settings: Settings) -> dict[str, Exported]:
     """ATTEND_WORKERS > 1: the repository loaded as a worker will load it, in a process of its own that is gone
     before the workers start (StartupError: why it cannot be served). Loaded in the supervisor, the sessions
-    would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing."""
+    would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing.
+    Returns the graphs' times it measured (ATTEND_GRAPH_TIMING_S): with nothing else running, and once for
+    every worker, which then all make the same choice of graphs."""
     try:  # the pool's queue, like the workers' shares (service.http.accept), takes POSIX semaphores
         pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     except OSError as e:
         raise StartupError(f"ATTEND_WORKERS={settings.workers} needs a writable /dev/shm (POSIX shared memory): "
                            f"{e.strerror}") from None
     with pool:
-        failure = pool.submit(_load, settings).result()
+        failure, timings = pool.submit(_load, settings).result()
     if failure:
         raise StartupError(failure)
+    return timings
 
 
-def _load(settings: Settings) -> str:
-    """Every model of the repository loaded, then let go: why not, or "" (check_in_a_process's process)."""
+def _load(settings: Settings) -> tuple[str, dict[str, Exported]]:
+    """Every model of the repository loaded, then let go: why not, or "", and the graphs' times
+    (check_in_a_process's process)."""
     configure_logging(settings.log_level)
     try:
-        load_registry(settings)
+        registry = load_registry(settings)
     except StartupError as e:
-        return str(e)
-    return ""
+        return str(e), {}
+    return "", registry.loader.timings_taken
 
 
 def raise_file_limit() -> None:

@@ -70,6 +70,11 @@ def test_every_point_is_measured_with_its_cores_and_workers(sweep):
             assert s[moment]["workers"] == n
             assert len(s[moment]["workers_rss_mib"]) == n and all(r > 20 for r in s[moment]["workers_rss_mib"])
             assert len(s[moment]["supervisor_rss_mib"]) == (1 if n == 2 else 0)
+    for n in (1, 2):  # the choice of graphs the sweep ran with: W2bin's model has three on the CPU (W1's one)
+        graphs = servers[("service", n)]["graphs"]
+        assert list(graphs) == ["dot_product"], graphs
+        assert re.fullmatch(r"with the weights: 1/model\.\S+ on CPU(.*); without: 1/model\.\S+ on CPU(.*)",
+                            graphs["dot_product"]), graphs
     assert results["skipped"] == [] and 0 < results["seconds"] < 600
     assert re.search(r"the sweep took \d+ s", stderr)
 
@@ -94,6 +99,9 @@ def test_the_report_prints_the_table_and_ends_with_the_scaling_line(sweep):
     assert lines[-1] == "scaling at 2: " + ", ".join(f"{row} {expected[row]:.2f}x" for row in ROWS)
     assert sum(line.startswith("scaling at ") for line in lines) == 1
     assert lines[-3].startswith("p99 at c=4 with 2 processes against c=2 with 1 (cpu): W1 ")
+    for s in results["servers"]:
+        if s["server"] == "service":
+            assert f"| cpu | {s['processes']} | dot_product | {s['graphs']['dot_product']} |" in lines
 
 
 def test_the_report_of_the_file_is_the_same_and_goes_into_the_docs(sweep):

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from export.repository import example_feed
-from service.core.choice import UNBOUNDED, Graph, Timings, candidates, choose
+from service.core.choice import UNBOUNDED, Graph, Timings, adopt, candidates, choose
 from service.core.jobs import Job
 from service.core.merge import run_batch
 from service.core.metrics import Metrics
 from service.core.request import Request
-from service.core.runtime import CPU, CUDA, Registry
+from service.core.runtime import CPU, CUDA, Registry, timings_key
 from service.protocols.attend import encode_attend
 from tests.server import running_service
 
@@ -99,6 +99,32 @@ def test_choose_switches_where_the_lines_cross_and_extends_them_past_the_ladder(
     fused = Graph("f", CUDA, None, ["outputs"], False, None, True)  # type: ignore[arg-type]
     pinned = Timings(elements, {(a, False): [1.0, 1.0, 1.0, 1.0], (fused, False): [2.0, 2.0, 2.0, 2.0]})
     assert choose(pinned, [a, fused], False) == ((512, a), (UNBOUNDED, fused))
+
+
+def test_a_loader_given_another_processs_times_of_the_same_graphs_chooses_by_them(repository, timed):
+    """ATTEND_WORKERS: each worker takes the start's check's times (service.http.server.check_in_a_process)."""
+    given = dict(timed.loader.timings_taken)
+    assert {key.split()[0] for key in given} == set(FUSED)
+    for key in given:  # times no machine measures: model.onnx the fastest at every size, with weights or not
+        elements, rows = given[key]
+        given[key] = (elements, [(f, p, w, [1.0 if f.endswith("/model.onnx") else 9.0] * len(t))
+                                 for f, p, w, t in rows])
+    loaded = Registry.load(repository, "cpu", 1, graph_timing_s=0.5, timings=given)
+    for name in FUSED:
+        model = loaded.get(name)
+        assert model.timings.adopted and model.timings.export() == given[timings_key(model)]
+        assert [(up_to, g.file) for up_to, g in model.choice[True]] == [(UNBOUNDED, "1/model.onnx")]
+        assert [(up_to, g.file) for up_to, g in model.choice[False]] == [(UNBOUNDED, "1/model.onnx")]
+    # Times of other graphs (another version, files gone or added) are not taken: the loader times its own.
+    elements, rows = given[timings_key(loaded.get("dot_product"))]
+    graphs = loaded.get("dot_product").graphs
+    assert adopt((elements, rows), graphs, True) is not None
+    assert adopt((elements, rows[:-1]), graphs, True) is None
+    assert adopt((elements[:-1], rows), graphs, True) is None
+    assert adopt((elements, rows), graphs[:-1], True) is None
+    renamed = {key.replace(" 1 ", " 2 ", 1): value for key, value in given.items()}
+    fresh = Registry.load(repository, "cpu", 1, graph_timing_s=0.3, timings=renamed)
+    assert all(not fresh.get(name).timings.adopted for name in FUSED)
 
 
 @pytest.mark.parametrize("form", ["1d", "2d"])

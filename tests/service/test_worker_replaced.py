@@ -2,6 +2,7 @@
 other worker lose no request, each client of the killed one at most the request it had on it, and /metrics
 forgets the dead worker's live gauges (its counters stay in the totals)."""
 
+import contextlib
 import os
 import re
 import signal
@@ -159,12 +160,41 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
         after = {pid: counter(metrics, "attend_worker_served", pid=str(pid)) for pid in (survivor, replacement)}
         assert sum(after.values()) - sum(before.values()) == 24
         assert after[replacement] > before[replacement], (before, after)
+
+        # Every worker, the replacement too, chose its graphs by the times the start's check measured (with
+        # nothing else running), not by its own taken while the others timed or served: the same times, to
+        # the last digit, and the same choice, whichever worker a client reaches.
+        for name in TIMED:
+            seen = {pid: choice_of(url, port, pid, {survivor, replacement}, name) for pid in (survivor, replacement)}
+            assert seen[survivor] == seen[replacement], (name, seen)
+            assert seen[survivor][1], (name, "timed")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
 
     log = log_path.read_text()
     assert f"worker {victim} ended (signal 9); worker {replacement} started in its place" in log
     assert "Traceback" not in log
+    for name in TIMED:  # the check's line, then each worker's (the replacement's too) naming the check's times
+        lines = re.findall(rf"model {name} runs (.*)", log)
+        assert len(lines) == 4 and lines[1:] == [lines[0] + " (timed by the start's check)"] * 3, lines
+
+
+TIMED = ("dot_product", "multi_head", "self_attention")  # the models with several graphs on the CPU
+
+
+def choice_of(url: str, port: int, pid: int, pids: set[int], name: str) -> tuple[list, list]:
+    """GET /models/{name}'s graphs (less the runs) and graph_timings, as worker `pid` answers them. New
+    connections are kept open till one reaches it: a worker takes them while it holds fewer than the others."""
+    with contextlib.ExitStack() as stack:
+        for _ in range(40):
+            http = stack.enter_context(httpx.Client(timeout=30))
+            response = http.get(f"{url}/models/{name}")
+            client_port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
+            if owner(port, client_port, pids) == pid:
+                described = response.json()
+                return ([{k: v for k, v in g.items() if k != "runs"} for g in described["graphs"]],
+                        described["graph_timings"])
+    raise AssertionError(f"no connection reached worker {pid}")
 
 
 def test_with_workers_a_repository_that_cannot_be_served_stops_the_start_in_one_line(tmp_path):
