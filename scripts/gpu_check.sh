@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks only a GPU machine can run, in one go, each step bounded in time and all of them by BUDGET
 # (at most 9 minutes): what ONNX Runtime sees there, the gpu-marked tests, the long-sequence table
-# (bench/longseq.py: model.onnx against the fused graph and its fp16 form, outputs only) and the scaling sweep
-# (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside).
+# (bench/longseq.py: model.onnx against the fused graph and its fp16 form, outputs only), the scaling sweep
+# (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside)
+# and the engine's (bench/engine.py: a session a worker against one engine process owning the GPU).
 # Each step's output goes to OUT/<step>.txt, its exit status to OUT/summary.txt, the benches' results to
 # OUT/*.json; back on a development machine their `--report --out docs/benchmarks.md` writes the docs.
 #
@@ -49,5 +50,7 @@ step longseq 130 "$PY" bench/longseq.py --device cuda --repository "$LONGSEQ" --
     --results "$OUT/longseq-cuda.json"
 step scaling 270 "$PY" bench/scaling.py --device both --processes 1,2,4,8 --budget 225 \
     --repository "$REPOSITORY" --results "$OUT/scaling.json"
+step engine 100 "$PY" bench/engine.py --device cuda --processes 1,8 --concurrency 64 --seconds 2 \
+    --repository "$REPOSITORY" --results "$OUT/engine.json"
 cat "$OUT/summary.txt"
 exit $status
