@@ -299,10 +299,11 @@ class Loader:
     warmup: bool = True
     graph_timing_s: float = 0.0  # the warm-up's time to choose among a model's graphs; 0: the fixed choice
     flush_denormals: bool = True  # service.core.denormals
-    # The graphs' times by model version (`timings_key`): those this loader measured, and those another
-    # process measured on the same files, which it takes instead of timing them again (ATTEND_WORKERS: every
-    # worker takes the start's check's, measured while nothing else ran, and so makes the same choice).
-    timings_taken: dict[str, Exported] = dataclasses.field(default_factory=dict)
+    # The graphs' times by model version (`timings_key`): those of each model's last load (`timings`), and
+    # those another process measured on the same files, which it takes instead of timing them again
+    # (ATTEND_WORKERS: every worker takes the start's check's, measured while nothing else ran, and so makes
+    # the same choice).
+    timings_taken: dict[str, tuple[str, Exported]] = dataclasses.field(default_factory=dict)  # by model name
     timings_given: dict[str, Exported] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -335,10 +336,14 @@ class Loader:
         log.info("loaded model %s (%s, version %d, %s) on %s in %.2fs", model.name, model.kind, model.config.version,
                  model.model_file, model.provider, time.perf_counter() - start)
         if model.timings is not None:
-            self.timings_taken[timings_key(model)] = model.timings.export()
+            self.timings_taken[model.name] = (timings_key(model), model.timings.export())
             log.info("model %s runs %s%s", model.name, describe_ladders(model.choice),
                      " (timed by the start's check)" if model.timings.adopted else "")
         return model
+
+    def timings(self) -> dict[str, Exported]:
+        """The times of each model's last load, by `timings_key`: what another loader takes (timings_given)."""
+        return dict(self.timings_taken.values())
 
     def newest(self, name: str) -> int | None:
         """The version the model's config.json names as the newest, or None (no such model, unreadable)."""

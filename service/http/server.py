@@ -329,7 +329,7 @@ def _load(settings: Settings) -> tuple[str, dict[str, Exported]]:
         registry = load_registry(settings)
     except StartupError as e:
         return str(e), {}
-    return "", registry.loader.timings_taken
+    return "", registry.loader.timings()
 
 
 def raise_file_limit() -> None:

@@ -103,7 +103,7 @@ def test_choose_switches_where_the_lines_cross_and_extends_them_past_the_ladder(
 
 def test_a_loader_given_another_processs_times_of_the_same_graphs_chooses_by_them(repository, timed):
     """ATTEND_WORKERS: each worker takes the start's check's times (service.http.server.check_in_a_process)."""
-    given = dict(timed.loader.timings_taken)
+    given = timed.loader.timings()
     assert {key.split()[0] for key in given} == set(FUSED)
     for key in given:  # times no machine measures: model.onnx the fastest at every size, with weights or not
         elements, rows = given[key]
