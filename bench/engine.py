@@ -1,21 +1,22 @@
 """Many processes, one GPU, without HTTP: the issue's two designs for feeding a GPU from many cores, at the
-step where they differ, how a run reaches the GPU.
+step where they differ, how a run reaches the session.
 
-- `workers`: P processes, each with its own ONNX Runtime session (its own CUDA context). ATTEND_WORKERS
-  serves this way.
-- `engine`: P front-end processes hand each run to one engine process, which holds the only session (one
-  CUDA context). The tensors go through shared memory, a slot a client; the slot's number through a pipe.
-- `engine-batched`: the same, and the engine joins the runs waiting into one batch.
+- `workers`: P processes, each with its own ONNX Runtime session (its own CUDA context), running one
+  request at a time. ATTEND_WORKERS serves W2's largest requests so: past ATTEND_MAX_BATCH_ELEMENTS a
+  request runs alone. `workers-batched`: each joins the requests waiting into one run.
+- `engine`: P front-end processes hand each request to one engine process, which holds the only session
+  (one CUDA context). Inputs and outputs go through shared memory, a slot a client; the slot's number
+  through a pipe. `engine-batched`: the engine joins the requests waiting, from every front end.
 
     python bench/engine.py [--device cuda] [--processes 1,8] [--concurrency 64] [--seconds 3] [--results F]
     python bench/engine.py --report [--results F] [--out docs/benchmarks.md]
 
-Every run is W2's largest request: dot_product, batch 8, 128 queries and keys, 64 features, outputs and
-weights. One shape for all, so the engine's batch is a plain concatenation: its best case. --concurrency
-clients in all, spread over the P processes, each sending one request after another, each with inputs of
-its own. A request is timed from the copy of its inputs into the slot to the copy of its outputs out of
-it. A client checks its first answer and every 50th against its own CPU session's: a wrong slot would show.
-`workers-batched` is ATTEND_WORKERS as it serves: each worker joins its own clients' runs. The P processes
+Every request is W2's largest: dot_product, batch 8, 128 queries and keys, 64 features, outputs and
+weights. One shape for all, so a joined batch is a plain concatenation: the best case for joining.
+--concurrency clients in all, spread over the P processes, each sending one request after another, each
+with inputs of its own (in its slot, as a decode into shared memory would leave them). A request is timed
+from its hand-off to its outputs' arrival (in the slot, or as views of the joined run's). A client checks
+its first answer and every 50th against its own CPU session's: a wrong slot would show. The P processes
 run on cores 0..P-1, one intra-op thread a session; the engine on cores P..2P-1 where there are (the best
 case for it: as many cores again), with P threads, so that P runs can be under way in both designs. HTTP
 and decoding are left out: they cost the same in both.
@@ -108,14 +109,14 @@ def feed_of(model_dir: Path, client: int) -> dict[str, np.ndarray]:
 
 def process_main(kind: str, index: int, core: int, clients: list[int], args: argparse.Namespace,
                  shared: dict) -> None:
-    """A process of `kind`: "workers" (its own session, each client's run on its own), "workers-batched" (its
-    own session, its clients' waiting runs joined, as the service's batcher does) or "front" (the engine's:
-    each client's inputs in its slot, as a decode into shared memory would leave them). Its clients' threads
-    send requests until the window ends; then their (end time, latency) and wrong answers go to the queue."""
+    """A process of `kind`: "workers" (its own session, one run at a time, a request each), "workers-batched"
+    (the same, its clients' waiting requests joined into one run) or "front" (the engine's: each client's
+    inputs in its slot, as a decode into shared memory would leave them). Its clients' threads send requests
+    until the window ends; then their (end time, latency) and wrong answers go to the queue."""
     pin(core)
     model_dir = args.repository / "dot_product"
     own = session(model_dir, args.device) if kind != "front" else None
-    reference = session(model_dir, "cpu") if own is None or kind == "workers-batched" else None
+    reference = session(model_dir, "cpu")
     names = [o.name for o in (own or reference).get_outputs()]
     feeds = {c: feed_of(model_dir, c) for c in clients}
     expected = {c: reference.run(names, feeds[c]) for c in clients} if reference is not None else {}
@@ -130,8 +131,9 @@ def process_main(kind: str, index: int, core: int, clients: list[int], args: arg
                 np.copyto(slots.view(c, name), array)
     waiting: queue.SimpleQueue = queue.SimpleQueue()
     answers = {c: (threading.Semaphore(0), [None]) for c in clients}
-    batcher = threading.Thread(target=join_runs, args=(own, feeds, waiting, answers, shared["counts"]), daemon=True)
-    if kind == "workers-batched":
+    batcher = threading.Thread(target=join_runs, args=(own, feeds, waiting, answers, shared["counts"],
+                                                       kind == "workers-batched"), daemon=True)
+    if kind != "front":
         batcher.start()
     records: dict[int, list[tuple[float, float]]] = {c: [] for c in clients}
     wrong = [0]
@@ -140,12 +142,10 @@ def process_main(kind: str, index: int, core: int, clients: list[int], args: arg
     end = shared["begin"].value + args.warmup + args.seconds
 
     def client(c: int) -> None:
-        feed, mine, n = feeds[c], records[c], 0
+        mine, n = records[c], 0
         while True:
             start = time.perf_counter()
-            if kind == "workers":
-                outputs = own.run(names, feed)
-            elif kind == "workers-batched":
+            if kind != "front":
                 waiting.put(c)
                 answers[c][0].acquire()
                 outputs = answers[c][1][0]
@@ -175,13 +175,15 @@ def process_main(kind: str, index: int, core: int, clients: list[int], args: arg
 
 
 def join_runs(own, feeds: dict[int, dict[str, np.ndarray]], waiting: queue.SimpleQueue, answers: dict,
-              counts) -> None:
-    """A worker's batcher: the runs waiting joined into one, each client's outputs its rows (views)."""
+              counts, batched: bool) -> None:
+    """A worker's runner: the requests waiting, one run each (ATTEND_WORKERS with W2's largest requests:
+    past ATTEND_MAX_BATCH_ELEMENTS a request runs alone) or joined into one run (`batched`); each client's
+    outputs its rows (views)."""
     names, rows = [o.name for o in own.get_outputs()], SIZES["batch"]
     while True:
         group = [waiting.get()]
         with contextlib.suppress(queue.Empty):
-            while True:
+            while batched:
                 group.append(waiting.get_nowait())
         if STOP in group:
             return
@@ -331,7 +333,7 @@ def point(mode: str, processes: int, args: argparse.Namespace) -> dict[str, Any]
             "p50_ms": round(latencies[len(latencies) // 2] * 1e3, 3) if latencies else None,
             "p99_ms": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3, 3)
             if latencies else None,
-            "batch": round(counts[1] / counts[0], 2) if mode != "workers" and counts[0] else None,
+            "batch": round(counts[1] / counts[0], 2) if counts[0] else None,
             "wrong": wrong, "cores": busy} | window
 
 

@@ -47,9 +47,7 @@ def test_every_design_is_measured_and_every_answer_is_its_clients(run):
             assert p["cores"]["engine"] == (cores[n:2 * n] or cores[-1:])
         else:
             assert "engine" not in p["cores"]
-        if mode == "workers":
-            assert p["batch"] is None
-        elif mode == "engine":  # one request a run: the engine joins nothing
+        if mode in ("workers", "engine"):  # one request a run
             assert p["batch"] == 1.0
         else:  # six clients' requests waiting together are joined into one run
             assert 1.0 < p["batch"] <= 6, (mode, n, p["batch"])
