@@ -9,7 +9,11 @@ step where they differ, how a run reaches the session.
   through a pipe. `engine-batched`: the engine joins the requests waiting, from every front end.
 
     python bench/engine.py [--device cuda] [--processes 1,8] [--concurrency 64] [--seconds 3] [--results F]
-    python bench/engine.py --report [--results F] [--out docs/benchmarks.md]
+                           [--out docs/benchmarks.md]
+    python bench/engine.py --report --results F [--out docs/benchmarks.md]
+
+The results go to --results (default docs/engine-<device>.json); --out writes the table into that file's
+<!-- engine-<device> --> section.
 
 Every request is W2's largest: dot_product, batch 8, 128 queries and keys, 64 features, outputs and
 weights. One shape for all, so a joined batch is a plain concatenation: the best case for joining.
@@ -362,12 +366,12 @@ def render(results: dict) -> list[str]:
             + (f", {engine_busy:.0%}" if engine_busy is not None else ""),
             f"{p['gpu_util']:.0f}" if p.get("gpu_util") is not None else "-"]) + " |")
     top = max(results["settings"]["processes"])
-    ratios = [f"{mode} {by[(mode, top)]['rps'] / by[(_alike(mode), top)]['rps']:.2f}x {_alike(mode)}"
-              for mode in ("engine", "engine-batched")
-              if (mode, top) in by and (_alike(mode), top) in by and by[(_alike(mode), top)]["rps"]]
+    served = by.get(("workers", top))  # the design as the service runs it
+    ratios = [f"{mode} {by[(mode, top)]['rps'] / served['rps']:.2f}x" for mode in MODES[1:]
+              if (mode, top) in by and served and served["rps"]]
     wrong = sum(p["wrong"] for p in results["points"])
     lines += ["", f"Wrong answers (each client's first and every {CHECK_EVERY}th, against its own CPU session's): "
-              f"{wrong}.", f"requests/s at {top} processes: " + ", ".join(ratios)]
+              f"{wrong}.", f"requests/s at {top} processes against workers (ATTEND_WORKERS): " + ", ".join(ratios)]
     return lines
 
 
@@ -390,10 +394,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "engine.json")
+    parser.add_argument("--results", type=Path, help="default: docs/engine-<device>.json")
     parser.add_argument("--report", action="store_true", help="print (and --out) the table of --results")
-    parser.add_argument("--out", type=Path, help="write the table into this file's <!-- engine --> section")
+    parser.add_argument("--out", type=Path, help="write the table into this file's <!-- engine-<device> --> section")
     args = parser.parse_args()
+    if args.results is None:
+        if args.report:
+            parser.error("--report needs --results")
+        args.results = ROOT / "docs" / f"engine-{args.device}.json"
     if not args.report:
         args.repository = args.repository.resolve()
         processes = [int(x) for x in args.processes.split(",")]
@@ -413,7 +421,8 @@ def main() -> int:
     if args.out:
         from tests.load.report import write_section
 
-        write_section(args.out, "engine", lines, stamp=results["date"], command=results["command"],
+        write_section(args.out, f"engine-{results['settings']['device']}", lines, stamp=results["date"],
+                      command=results["command"],
                       where=results["machine"])
     return 1 if any(p["wrong"] for p in results["points"]) else 0
 

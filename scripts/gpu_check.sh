@@ -5,7 +5,10 @@
 # (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside)
 # and the engine's (bench/engine.py: a session a worker against one engine process owning the GPU).
 # Each step's output goes to OUT/<step>.txt, its exit status to OUT/summary.txt, the benches' results to
-# OUT/*.json; back on a development machine their `--report --out docs/benchmarks.md` writes the docs.
+# OUT/*.json. Back on a development machine, copy each to docs/ and write its tables:
+#   python bench/scaling.py --report --results docs/scaling.json --out docs/benchmarks.md
+#   python bench/longseq.py --report --results docs/benchmarks-longseq-cuda.json --out docs/benchmarks.md
+#   python bench/engine.py --report --results docs/engine-cuda.json --out docs/benchmarks.md
 #
 #   scripts/gpu_check.sh [OUT]     (default: gpu-check)
 #

@@ -24,7 +24,7 @@ def run(repository, tmp_path_factory):
     """(results, stdout, docs) of one short run, its report written into a docs file."""
     folder = tmp_path_factory.mktemp("engine")
     docs = folder / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\n<!-- engine -->\nold\n<!-- /engine -->\n")
+    docs.write_text("# Benchmarks\n\n<!-- engine-cpu -->\nold\n<!-- /engine-cpu -->\n")
     results = folder / "engine.json"
     done = subprocess.run([sys.executable, "bench/engine.py", "--device", "cpu", "--processes", "1,2",
                            "--concurrency", "6", "--seconds", "1", "--warmup", "0.5", "--repository", str(repository),
@@ -78,9 +78,8 @@ def test_the_report_weighs_each_engine_against_the_workers_with_the_same_batchin
         assert cells[3] == f"{p['rps']:.0f}" and cells[4] == f"{p['rps'] / alike['rps']:.2f}x"
         assert cells[5] == f"{p['p50_ms']:.2f}" and cells[6] == f"{p['p99_ms']:.2f}"
     assert lines[-2] == "Wrong answers (each client's first and every 50th, against its own CPU session's): 0."
-    engine = by[("engine", 2)]["rps"] / by[("workers", 2)]["rps"]
-    batched = by[("engine-batched", 2)]["rps"] / by[("workers-batched", 2)]["rps"]
-    assert lines[-1] == f"requests/s at 2 processes: engine {engine:.2f}x workers, " \
-                        f"engine-batched {batched:.2f}x workers-batched"
+    ratios = {mode: by[(mode, 2)]["rps"] / by[("workers", 2)]["rps"] for mode in MODES[1:]}
+    assert lines[-1] == "requests/s at 2 processes against workers (ATTEND_WORKERS): " + ", ".join(
+        f"{mode} {ratio:.2f}x" for mode, ratio in ratios.items())
     text = docs.read_text()
-    assert "<!-- engine -->\nRun " in text and "old" not in text and lines[-1] in text
+    assert "<!-- engine-cpu -->\nRun " in text and "old" not in text and lines[-1] in text
