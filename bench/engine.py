@@ -178,6 +178,11 @@ def process_main(kind: str, index: int, core: int, clients: list[int], args: arg
     shared["results"].put((records, wrong[0]))
 
 
+def joined(feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One run's inputs: a request's own, or several requests' joined along the batch axis."""
+    return feeds[0] if len(feeds) == 1 else {name: np.concatenate([f[name] for f in feeds]) for name in feeds[0]}
+
+
 def join_runs(own, feeds: dict[int, dict[str, np.ndarray]], waiting: queue.SimpleQueue, answers: dict,
               counts, batched: bool) -> None:
     """A worker's runner: the requests waiting, one run each (ATTEND_WORKERS with W2's largest requests:
@@ -191,9 +196,7 @@ def join_runs(own, feeds: dict[int, dict[str, np.ndarray]], waiting: queue.Simpl
                 group.append(waiting.get_nowait())
         if STOP in group:
             return
-        feed = feeds[group[0]] if len(group) == 1 else {
-            name: np.concatenate([feeds[c][name] for c in group]) for name in feeds[group[0]]}
-        outputs = own.run(names, feed)
+        outputs = own.run(names, joined([feeds[c] for c in group]))
         for j, c in enumerate(group):
             answers[c][1][0] = [array[j * rows:(j + 1) * rows] for array in outputs]
             answers[c][0].release()
@@ -235,11 +238,7 @@ def dispatch(own, slots: Slots, requests: int, shared: dict, batched: bool, thre
             if STOP in taken:
                 return
             for group in ([taken] if batched else [[s] for s in taken]):
-                if len(group) == 1:
-                    feed = {name: slots.view(group[0], name) for name in inputs}
-                else:
-                    feed = {name: np.concatenate([slots.view(s, name) for s in group]) for name in inputs}
-                outputs = own.run(names, feed)
+                outputs = own.run(names, joined([{name: slots.view(s, name) for name in inputs} for s in group]))
                 for j, s in enumerate(group):
                     for name, array in zip(names, outputs, strict=True):
                         view = slots.view(s, name)  # model.onnx's weights have an axis of one head more
