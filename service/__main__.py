@@ -19,9 +19,11 @@ same in every worker (service.http.server.run_workers).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import uvicorn
@@ -78,22 +80,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         return 1
     configure_logging(settings.log_level)
     release_memory_eagerly()  # before the first large allocation
-    try:
-        if settings.grpc_port:
-            check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
+    # ATTEND_WORKERS > 1: the start's check and every worker share the graphs' times in a folder of the start's own.
+    shared = tempfile.TemporaryDirectory(prefix="attend-timings-") if settings.workers > 1 else None
+    with shared or contextlib.nullcontext() as timings_folder:
+        try:
+            if settings.grpc_port:
+                check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
+            if settings.workers == 1:
+                registry = load_registry(settings)
+            else:
+                check_in_a_process(settings, timings_folder)  # then each worker loads its own sessions
+        except StartupError as e:
+            log.critical("cannot start: %s", e)
+            return 1
+        raise_file_limit()
         if settings.workers == 1:
-            registry = load_registry(settings)
+            app = with_grpc(create_app(settings, registry), settings)
+            GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
         else:
-            timings = check_in_a_process(settings)  # each worker loads its own sessions, with these times
-    except StartupError as e:
-        log.critical("cannot start: %s", e)
-        return 1
-    raise_file_limit()
-    if settings.workers == 1:
-        app = with_grpc(create_app(settings, registry), settings)
-        GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
-    else:
-        run_workers(settings, functools.partial(create_worker_app, timings))
+            run_workers(settings, functools.partial(create_worker_app, timings_folder))
     return 0
 
 

@@ -16,7 +16,6 @@ ATTEND_WORKERS do not), and so is gRPC (ATTEND_GRPC_PORT): `create_app` serves H
 from __future__ import annotations
 
 from service.config import Settings, get_settings
-from service.core.choice import Exported
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
 from service.grpc.server import GRPCServer
@@ -24,20 +23,20 @@ from service.http.app import AttendApp
 from service.http.app import create_app as _create_app
 
 
-def create_app(timings: dict[str, Exported] | None = None) -> AttendApp:
+def create_app(timings_folder: str | None = None) -> AttendApp:
     """The app, with the settings of the environment: a factory for `uvicorn --factory` (and any server
     that calls one; every worker process calls it again)."""
     settings = get_settings()
     configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
     release_memory_eagerly()
-    return _create_app(settings, timings=timings)
+    return _create_app(settings, timings_folder=timings_folder)
 
 
-def create_worker_app(timings: dict[str, Exported] | None = None) -> AttendApp:
+def create_worker_app(timings_folder: str | None = None) -> AttendApp:
     """A worker of `python -m service` with ATTEND_WORKERS > 1: the app, and gRPC beside it on
-    ATTEND_GRPC_PORT, the port shared with the other workers (SO_REUSEPORT). `timings`: the graphs' times
-    the start's check measured (service.http.server.check_in_a_process), taken instead of timing again."""
-    app = create_app(timings)
+    ATTEND_GRPC_PORT, the port shared with the other workers (SO_REUSEPORT). `timings_folder`: where the
+    start's check and the workers share the graphs' times (service.core.choice.SharedTimings)."""
+    app = create_app(timings_folder)
     with_grpc(app, app.state.settings, shared_port=True)
     return app
 

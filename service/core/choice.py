@@ -26,11 +26,17 @@ outputs, as RunCost counts them (the weights counted whether they are returned o
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
+import json
+import logging
 import math
+import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +50,7 @@ from service.core.sessions import CPU, CUDA
 if TYPE_CHECKING:
     from service.core.runtime import LoadedModel
 
+log = logging.getLogger("service")
 _RUN_OPTIONS = ort.RunOptions()
 UNBOUNDED = sys.maxsize  # the last graph of a ladder: every size from its threshold on
 _FEATURES = 32  # the ladder's free feature sizes (dot_product's d and value size, additive's value size)
@@ -135,9 +142,57 @@ def adopt(exported: Exported, graphs: Sequence[Graph], has_weights: bool) -> Tim
     wanted = {(g.file, g.provider, fetched): (g, fetched) for weights in (True, False)
               for g, fetched in entries(graphs, weights, has_weights)}
     elements, rows = exported
-    if {row[:3] for row in rows} != set(wanted) or any(len(t) != len(elements) for *_, t in rows):
+    if {tuple(row[:3]) for row in rows} != set(wanted) or any(len(t) != len(elements) for *_, t in rows):
         return None
-    return Timings(list(elements), {wanted[row[:3]]: list(row[3]) for row in rows}, adopted=True)
+    return Timings(list(elements), {wanted[tuple(row[:3])]: list(row[3]) for row in rows}, adopted=True)
+
+
+class SharedTimings:
+    """The graphs' times of the processes of one start (ATTEND_WORKERS: the start's check and every worker), a
+    file a model version in a folder of the start's own. The first process to load a version times its graphs
+    while it holds the version's lock, and every other one takes its times: all choose alike, and none times
+    while another does (two workers timing at once on a 2-core Xeon chose different ladders)."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = folder
+
+    @contextlib.contextmanager
+    def turn(self, key: str) -> Iterator[Exported | None]:
+        """The times stored under `key`; or None, and then the lock of `key` is held until the block ends, in which
+        the caller times the graphs and `store`s their times (a folder it cannot use: None, and no lock)."""
+        path = self._path(key)
+        if (given := _read(path)) is not None:  # no lock to read: a file is replaced whole (`store`)
+            yield given
+            return
+        try:
+            lock = open(f"{path}.lock", "a")  # noqa: SIM115 (held past the block's first lines)
+        except OSError as e:
+            log.warning("graphs' times not shared (%s): this process times its own", e.strerror)
+            yield None
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or with the process that holds it
+            yield _read(path)
+
+    def store(self, key: str, exported: Exported) -> None:
+        path = self._path(key)
+        try:
+            with open(f"{path}.part", "w") as f:
+                json.dump(exported, f)
+            os.replace(f"{path}.part", path)
+        except OSError as e:
+            log.warning("graphs' times not shared (%s): the other processes time their own", e.strerror)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.folder, hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _read(path: str) -> Exported | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # none yet (or unreadable: then `turn`'s lock and own timing)
+        return None
 
 
 def label(entry: Entry) -> str:
@@ -332,7 +387,7 @@ def fixed_choice(graphs: Sequence[Graph], has_weights: bool) -> dict[bool, Ladde
 
 def timed_choice(model: LoadedModel, budget_s: float, given: Exported | None = None) -> dict[bool, Ladder]:
     """Time the model's graphs and choose (`model.timings` keeps the times); or choose by the times `given`,
-    another process's of the same graphs (ATTEND_WORKERS: the start's check), where they fit them."""
+    another process's of the same graphs (ATTEND_WORKERS: SharedTimings), where they fit them."""
     has_weights = "attention_weights" in model.output_names
     model.timings = (given is not None and adopt(given, model.graphs, has_weights)) or time_graphs(model, budget_s)
     return {weights: choose(model.timings, candidates(model.graphs, weights, has_weights), weights)

@@ -35,7 +35,6 @@ from typing import Any, Protocol, TypeVar
 
 from service.core import tracing
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
-from service.core.choice import Exported
 from service.core.control import ModelControl
 from service.core.cost import Budget, Cost
 from service.core.deadline import Within
@@ -107,12 +106,12 @@ class Transport(Protocol):
         """Stop once the requests in flight are answered, within ATTEND_GRACE_PERIOD_S."""
 
 
-def load_registry(settings: CoreSettings, timings: dict[str, Exported] | None = None) -> Registry:
-    """Every model of the repository, loaded, checked and warmed up (StartupError: why not). `timings`: the
-    graphs' times another process measured, taken instead of timing them again (service.core.runtime.Loader)."""
+def load_registry(settings: CoreSettings, timings_folder: str | None = None) -> Registry:
+    """Every model of the repository, loaded, checked and warmed up (StartupError: why not). `timings_folder`:
+    where the processes of one start share the graphs' times (service.core.choice.SharedTimings)."""
     return Registry.load(settings.model_repository, settings.device, settings.resolved_intra_op_threads(),
                          settings.cuda_tf32, settings.warmup, settings.skip_broken_models, settings.graph_timing_s,
-                         settings.flush_denormals, timings)
+                         settings.flush_denormals, timings_folder)
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -124,9 +123,9 @@ class Dataplane:
     """The core of one app: see the module's docstring. Built with the app, opened by its lifespan."""
 
     def __init__(self, settings: CoreSettings, metrics: Metrics | None = None, registry: Registry | None = None,
-                 timings: dict[str, Exported] | None = None):
+                 timings_folder: str | None = None):
         self.settings = settings
-        self.timings = timings  # for load_registry
+        self.timings_folder = timings_folder  # for load_registry
         self.metrics = metrics or Metrics()
         self.limits = settings.request_limits()
         self.api_keys = settings.api_key_list()
@@ -167,7 +166,7 @@ class Dataplane:
         # OTEL_*: off unless they configure it (python -m service checked them before anything: TracingError).
         self.tracing = tracing.setup(self.metrics)
         if self.registry is None:
-            self.registry = await asyncio.to_thread(load_registry, settings, self.timings)
+            self.registry = await asyncio.to_thread(load_registry, settings, self.timings_folder)
         registry = self.registry
         on_cuda = any(registry.get(n).provider == CUDA for n in registry.names())
         device_limit = device_budget(settings.max_device_bytes, on_cuda, settings.workers)

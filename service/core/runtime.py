@@ -16,6 +16,7 @@ of the version are opened beside them, and each batch runs the fastest for its s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -40,7 +41,7 @@ from export.repository import (
 )
 from export.repository import model_dir as folder_of
 from service.core import denormals
-from service.core.choice import Exported, Graph, Ladder, Timings, describe_ladders, fixed_choice, pick, warm_up
+from service.core.choice import Graph, Ladder, SharedTimings, Timings, describe_ladders, fixed_choice, pick, warm_up
 from service.core.choice import describe as describe_choice
 from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: named here too)
     CPU,
@@ -299,12 +300,7 @@ class Loader:
     warmup: bool = True
     graph_timing_s: float = 0.0  # the warm-up's time to choose among a model's graphs; 0: the fixed choice
     flush_denormals: bool = True  # service.core.denormals
-    # The graphs' times by model version (`timings_key`): those of each model's last load (`timings`), and
-    # those another process measured on the same files, which it takes instead of timing them again
-    # (ATTEND_WORKERS: every worker takes the start's check's, measured while nothing else ran, and so makes
-    # the same choice).
-    timings_taken: dict[str, tuple[str, Exported]] = dataclasses.field(default_factory=dict)  # by model name
-    timings_given: dict[str, Exported] = dataclasses.field(default_factory=dict)
+    shared: SharedTimings | None = None  # ATTEND_WORKERS: the graphs' times of every process of the start
 
     def __post_init__(self) -> None:
         denormals.enabled = self.flush_denormals
@@ -325,10 +321,14 @@ class Loader:
         model = load_model(model_dir, self.providers, self.intra_op_threads, require_cuda=self.device == "cuda",
                            version=version, candidates=timing > 0)
         if self.warmup:
-            try:
-                warm_up(model, timing, self.timings_given.get(timings_key(model)))
-            except Exception as e:  # warm-up failing is the model's fault too
-                raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
+            shared = self.shared if timing > 0 and len(model.graphs) > 1 else None
+            with shared.turn(timings_key(model)) if shared else contextlib.nullcontext() as given:
+                try:
+                    warm_up(model, timing, given)
+                except Exception as e:  # warm-up failing is the model's fault too
+                    raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
+                if shared and given is None and model.timings is not None:
+                    shared.store(timings_key(model), model.timings.export())
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
             # Tried once, fell back: spare the other models the same failed attempt.
             log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
@@ -336,14 +336,9 @@ class Loader:
         log.info("loaded model %s (%s, version %d, %s) on %s in %.2fs", model.name, model.kind, model.config.version,
                  model.model_file, model.provider, time.perf_counter() - start)
         if model.timings is not None:
-            self.timings_taken[model.name] = (timings_key(model), model.timings.export())
             log.info("model %s runs %s%s", model.name, describe_ladders(model.choice),
-                     " (timed by the start's check)" if model.timings.adopted else "")
+                     " (timed by another process)" if model.timings.adopted else "")
         return model
-
-    def timings(self) -> dict[str, Exported]:
-        """The times of each model's last load, by `timings_key`: what another loader takes (timings_given)."""
-        return dict(self.timings_taken.values())
 
     def newest(self, name: str) -> int | None:
         """The version the model's config.json names as the newest, or None (no such model, unreadable)."""
@@ -355,7 +350,7 @@ class Loader:
 
 
 def timings_key(model: LoadedModel) -> str:
-    """A model version, as the timings of its graphs are filed (Loader; `adopt` checks they are of its graphs)."""
+    """A model version, as the times of its graphs are shared (Loader; `adopt` checks they are of its graphs)."""
     return f"{model.name} {model.config.version} {model.sha256}"
 
 
@@ -429,19 +424,19 @@ class Registry:
     @classmethod
     def load(cls, repository: Path, device: str, intra_op_threads: int, cuda_tf32: bool = False,
              warmup: bool = True, skip_broken: bool = False, graph_timing_s: float = 0.0,
-             flush_denormals: bool = True, timings: dict[str, Exported] | None = None) -> Registry:
+             flush_denormals: bool = True, timings_folder: str | None = None) -> Registry:
         """Load and warm up every model. A model that cannot be served stops the load with a
         StartupError (one line: which model, what is wrong), or with `skip_broken` is left out
         and named in `broken`; a repository with nothing to serve is always an error. `graph_timing_s`:
-        Loader's (the service's setting is ATTEND_GRAPH_TIMING_S; this default, the fixed choice), and so are
-        `timings` (its timings_given)."""
+        Loader's (the service's setting is ATTEND_GRAPH_TIMING_S; this default, the fixed choice).
+        `timings_folder`: where the processes of one start share the graphs' times (Loader.shared)."""
         if not repository.is_dir():
             raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
         dirs = list_models(repository)
         if not dirs:
             raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
         loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s, flush_denormals,
-                        timings_given=timings or {})
+                        SharedTimings(timings_folder) if timings_folder else None)
         models: dict[str, LoadedModel] = {}
         broken: dict[str, str] = {}
         for model_dir in dirs:

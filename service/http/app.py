@@ -19,7 +19,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import Settings, get_settings
-from service.core.choice import Exported
 from service.core.dataplane import Dataplane
 from service.core.errors import (
     HTTPError,
@@ -112,9 +111,9 @@ def _offline_docs(app: FastAPI) -> None:
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None,
-               timings: dict[str, Exported] | None = None) -> AttendApp:
-    """The app; its lifespan loads the repository (taking the graphs' `timings` another process measured:
-    service.core.dataplane.load_registry), or it serves `registry` if given (loaded already)."""
+               timings_folder: str | None = None) -> AttendApp:
+    """The app; its lifespan loads the repository (sharing the graphs' times in `timings_folder` with the other
+    processes of the start: service.core.dataplane.load_registry), or it serves `registry` if given."""
     settings = settings or get_settings()
     app = AttendApp(
         title="attend",
@@ -128,7 +127,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     )
     # What the routes read: the core (readiness, the registry, model control, metrics) and the keys.
     app.state.settings = settings
-    dataplane = app.state.dataplane = Dataplane(settings, Metrics(), registry, timings)
+    dataplane = app.state.dataplane = Dataplane(settings, Metrics(), registry, timings_folder)
     app.state.api_keys = settings.api_key_list()
     install_error_handlers(app)
     _offline_docs(app)

@@ -26,7 +26,6 @@ from prometheus_client import multiprocess as metrics_files
 from uvicorn.supervisors import multiprocess
 
 from service.config import Settings
-from service.core.choice import Exported
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging, flush_logs
 from service.core.runtime import StartupError
@@ -303,33 +302,31 @@ def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.
         os.rmdir(metrics_dir)
 
 
-def check_in_a_process(settings: Settings) -> dict[str, Exported]:
+def check_in_a_process(settings: Settings, timings_folder: str) -> None:
     """ATTEND_WORKERS > 1: the repository loaded as a worker will load it, in a process of its own that is gone
     before the workers start (StartupError: why it cannot be served). Loaded in the supervisor, the sessions
     would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing.
-    Returns the graphs' times it measured (ATTEND_GRAPH_TIMING_S): with nothing else running, and once for
-    every worker, which then all make the same choice of graphs."""
+    It times the graphs (ATTEND_GRAPH_TIMING_S) with nothing else running, and leaves their times in
+    `timings_folder` for every worker to take (service.core.choice.SharedTimings)."""
     try:  # the pool's queue, like the workers' shares (service.http.accept), takes POSIX semaphores
         pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     except OSError as e:
         raise StartupError(f"ATTEND_WORKERS={settings.workers} needs a writable /dev/shm (POSIX shared memory): "
                            f"{e.strerror}") from None
     with pool:
-        failure, timings = pool.submit(_load, settings).result()
+        failure = pool.submit(_load, settings, timings_folder).result()
     if failure:
         raise StartupError(failure)
-    return timings
 
 
-def _load(settings: Settings) -> tuple[str, dict[str, Exported]]:
-    """Every model of the repository loaded, then let go: why not, or "", and the graphs' times
-    (check_in_a_process's process)."""
+def _load(settings: Settings, timings_folder: str) -> str:
+    """Every model of the repository loaded, then let go: why not, or "" (check_in_a_process's process)."""
     configure_logging(settings.log_level)
     try:
-        registry = load_registry(settings)
+        load_registry(settings, timings_folder)
     except StartupError as e:
-        return str(e), {}
-    return "", registry.loader.timings()
+        return str(e)
+    return ""
 
 
 def raise_file_limit() -> None:

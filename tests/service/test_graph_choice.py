@@ -5,15 +5,19 @@ GET /models/{name} shows the choice and counts each graph's runs; ATTEND_GRAPH_T
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import math
+import multiprocessing
 import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from export.repository import example_feed
-from service.core.choice import UNBOUNDED, Graph, Timings, adopt, candidates, choose
+from service.core.choice import UNBOUNDED, Graph, SharedTimings, Timings, adopt, candidates, choose
 from service.core.jobs import Job
 from service.core.merge import run_batch
 from service.core.metrics import Metrics
@@ -101,30 +105,57 @@ def test_choose_switches_where_the_lines_cross_and_extends_them_past_the_ladder(
     assert choose(pinned, [a, fused], False) == ((512, a), (UNBOUNDED, fused))
 
 
-def test_a_loader_given_another_processs_times_of_the_same_graphs_chooses_by_them(repository, timed):
-    """ATTEND_WORKERS: each worker takes the start's check's times (service.http.server.check_in_a_process)."""
-    given = timed.loader.timings()
-    assert {key.split()[0] for key in given} == set(FUSED)
-    for key in given:  # times no machine measures: model.onnx the fastest at every size, with weights or not
-        elements, rows = given[key]
-        given[key] = (elements, [(f, p, w, [1.0 if f.endswith("/model.onnx") else 9.0] * len(t))
-                                 for f, p, w, t in rows])
-    loaded = Registry.load(repository, "cpu", 1, graph_timing_s=0.5, timings=given)
+def test_a_loader_takes_the_times_another_process_shared_and_chooses_by_them(repository, timed, tmp_path):
+    """ATTEND_WORKERS: the start's check times the graphs, and every worker takes its times from the folder they
+    share (service.core.choice.SharedTimings)."""
+    first = Registry.load(repository, "cpu", 1, graph_timing_s=0.3, timings_folder=str(tmp_path))
+    assert all(not first.get(name).timings.adopted for name in FUSED)
+    assert len(list(tmp_path.glob("*.json"))) == len(FUSED)  # a file a timed model version
+    shared = SharedTimings(tmp_path)
+    for name in FUSED:  # times no machine measures: model.onnx the fastest at every size, with weights or not
+        elements, rows = first.get(name).timings.export()
+        shared.store(timings_key(first.get(name)), (elements, [
+            (f, p, w, [1.0 if f.endswith("/model.onnx") else 9.0] * len(t)) for f, p, w, t in rows]))
+    loaded = Registry.load(repository, "cpu", 1, graph_timing_s=0.5, timings_folder=str(tmp_path))
     for name in FUSED:
         model = loaded.get(name)
-        assert model.timings.adopted and model.timings.export() == given[timings_key(model)]
+        with shared.turn(timings_key(model)) as stored:
+            assert model.timings.adopted and json.loads(json.dumps(model.timings.export())) == stored
         assert [(up_to, g.file) for up_to, g in model.choice[True]] == [(UNBOUNDED, "1/model.onnx")]
         assert [(up_to, g.file) for up_to, g in model.choice[False]] == [(UNBOUNDED, "1/model.onnx")]
-    # Times of other graphs (another version, files gone or added) are not taken: the loader times its own.
-    elements, rows = given[timings_key(loaded.get("dot_product"))]
+    # Times of other graphs (another version's, files gone or added) are not taken: the loader times its own.
+    elements, rows = timed.get("dot_product").timings.export()
     graphs = loaded.get("dot_product").graphs
     assert adopt((elements, rows), graphs, True) is not None
     assert adopt((elements, rows[:-1]), graphs, True) is None
     assert adopt((elements[:-1], rows), graphs, True) is None
     assert adopt((elements, rows), graphs[:-1], True) is None
-    renamed = {key.replace(" 1 ", " 2 ", 1): value for key, value in given.items()}
-    fresh = Registry.load(repository, "cpu", 1, graph_timing_s=0.3, timings=renamed)
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in FUSED:  # the same times, filed as another version's
+        model = first.get(name)
+        SharedTimings(other).store(timings_key(model).replace(" 1 ", " 2 ", 1), model.timings.export())
+    fresh = Registry.load(repository, "cpu", 1, graph_timing_s=0.3, timings_folder=str(other))
     assert all(not fresh.get(name).timings.adopted for name in FUSED)
+
+
+def _adopted(repository: str, folder: str) -> dict[str, tuple[bool, list]]:
+    """A process's load (test_processes_that_load_at_once_time_each_model_once): each model's times, and whether
+    it took them from another process."""
+    registry = Registry.load(Path(repository), "cpu", 1, graph_timing_s=0.3, timings_folder=folder)
+    return {name: (registry.get(name).timings.adopted, json.loads(json.dumps(registry.get(name).timings.export())))
+            for name in FUSED}
+
+
+def test_processes_that_load_at_once_time_each_model_once(repository, tmp_path):
+    """Workers that load the same new version at once (SIGHUP): one times it, holding its lock, and the others
+    wait and take its times, not timing under each other's load."""
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        loads = [pool.submit(_adopted, str(repository), str(tmp_path)) for _ in range(2)]
+        a, b = (load.result(timeout=300) for load in loads)
+    for name in FUSED:
+        assert sorted([a[name][0], b[name][0]]) == [False, True], (name, a[name][0], b[name][0])
+        assert a[name][1] == b[name][1], name  # the same times to the last digit
 
 
 @pytest.mark.parametrize("form", ["1d", "2d"])

@@ -5,6 +5,7 @@ forgets the dead worker's live gauges (its counters stay in the totals)."""
 import contextlib
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from export.cli import main as export
 from service.http.schemas import toy_request
 from tests.server import free_port, running_service
 from tests.service.test_workers import JSON, TOY, counter, worker_pids
@@ -70,7 +72,8 @@ class Client(threading.Thread):
 def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp_path):
     log_path = tmp_path / "service.log"
     grpc_port = free_port()
-    with running_service(repository, log_path=log_path, ATTEND_WORKERS="2", ATTEND_INTRA_OP_THREADS="1",
+    repo = shutil.copytree(repository, tmp_path / "repo")  # of its own: a new version is exported into it
+    with running_service(repo, log_path=log_path, ATTEND_WORKERS="2", ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_GRPC_PORT=str(grpc_port), ATTEND_LOG_LEVEL="info") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
         deadline = time.monotonic() + 60
@@ -164,10 +167,22 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
         # Every worker, the replacement too, chose its graphs by the times the start's check measured (with
         # nothing else running), not by its own taken while the others timed or served: the same times, to
         # the last digit, and the same choice, whichever worker a client reaches.
+        workers = {survivor, replacement}
         for name in TIMED:
-            seen = {pid: choice_of(url, port, pid, {survivor, replacement}, name) for pid in (survivor, replacement)}
+            seen = {pid: choice_of(url, port, pid, workers, name) for pid in workers}
             assert seen[survivor] == seen[replacement], (name, seen)
-            assert seen[survivor][1], (name, "timed")
+            assert seen[survivor][2], (name, "timed")
+        # A version loaded while serving (SIGHUP): one worker times its graphs, holding the version's lock, and the
+        # other waits and takes its times. Each timing its own, under the other's timing, they would differ.
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            seen = {pid: choice_of(url, port, pid, workers, "multi_head") for pid in workers}
+            if all(version == 2 for version, *_ in seen.values()):
+                break
+            time.sleep(0.5)
+        assert seen[survivor] == seen[replacement] and seen[survivor][0] == 2, seen
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
 
@@ -176,14 +191,19 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
     assert "Traceback" not in log
     for name in TIMED:  # the check's line, then each worker's (the replacement's too) naming the check's times
         lines = re.findall(rf"model {name} runs (.*)", log)
-        assert len(lines) == 4 and lines[1:] == [lines[0] + " (timed by the start's check)"] * 3, lines
+        assert lines[1:4] == [lines[0] + TAKEN] * 3, lines
+        # multi_head's version 2: one worker timed it, the other took its times
+        assert len(lines) == (6 if name == "multi_head" else 4), lines
+        assert name != "multi_head" or sorted(lines[4:], key=len) == [lines[4].removesuffix(TAKEN),
+                                                                       lines[4].removesuffix(TAKEN) + TAKEN], lines
 
 
 TIMED = ("dot_product", "multi_head", "self_attention")  # the models with several graphs on the CPU
+TAKEN = " (timed by another process)"
 
 
-def choice_of(url: str, port: int, pid: int, pids: set[int], name: str) -> tuple[list, list]:
-    """GET /models/{name}'s graphs (less the runs) and graph_timings, as worker `pid` answers them. New
+def choice_of(url: str, port: int, pid: int, pids: set[int], name: str) -> tuple[int, list, list]:
+    """GET /models/{name}'s version, graphs (less the runs) and graph_timings, as worker `pid` answers them. New
     connections are kept open till one reaches it: a worker takes them while it holds fewer than the others."""
     with contextlib.ExitStack() as stack:
         for _ in range(40):
@@ -192,8 +212,8 @@ def choice_of(url: str, port: int, pid: int, pids: set[int], name: str) -> tuple
             client_port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
             if owner(port, client_port, pids) == pid:
                 described = response.json()
-                return ([{k: v for k, v in g.items() if k != "runs"} for g in described["graphs"]],
-                        described["graph_timings"])
+                graphs = [{k: v for k, v in g.items() if k != "runs"} for g in described["graphs"]]
+                return described["version"], graphs, described["graph_timings"]
     raise AssertionError(f"no connection reached worker {pid}")
 
 
