@@ -147,14 +147,14 @@ def adopt(exported: Exported, graphs: Sequence[Graph], has_weights: bool) -> Tim
     return Timings(list(elements), {wanted[tuple(row[:3])]: list(row[3]) for row in rows}, adopted=True)
 
 
+@dataclass(frozen=True)
 class SharedTimings:
     """The graphs' times of the processes of one start (ATTEND_WORKERS: the start's check and every worker), a
     file a model version in a folder of the start's own. The first process to load a version times its graphs
     while it holds the version's lock, and every other one takes its times: all choose alike, and none times
     while another does (two workers timing at once on a 2-core Xeon chose different ladders)."""
 
-    def __init__(self, folder: str | os.PathLike[str]):
-        self.folder = folder
+    folder: str | os.PathLike[str]
 
     @contextlib.contextmanager
     def turn(self, key: str) -> Iterator[Exported | None]:
@@ -385,13 +385,22 @@ def fixed_choice(graphs: Sequence[Graph], has_weights: bool) -> dict[bool, Ladde
     return {True: ((UNBOUNDED, first),), False: ((UNBOUNDED, outputs),)}
 
 
-def timed_choice(model: LoadedModel, budget_s: float, given: Exported | None = None) -> dict[bool, Ladder]:
-    """Time the model's graphs and choose (`model.timings` keeps the times); or choose by the times `given`,
-    another process's of the same graphs (ATTEND_WORKERS: SharedTimings), where they fit them."""
+def timed_choice(model: LoadedModel, budget_s: float, shared: SharedTimings | None = None) -> dict[bool, Ladder]:
+    """Time the model's graphs and choose (`model.timings` keeps the times); or choose by the times another
+    process of the start measured on the same graphs (`shared`), and share them where it measured them."""
     has_weights = "attention_weights" in model.output_names
-    model.timings = (given is not None and adopt(given, model.graphs, has_weights)) or time_graphs(model, budget_s)
+    key = timings_key(model)
+    with shared.turn(key) if shared else contextlib.nullcontext() as given:
+        model.timings = (given is not None and adopt(given, model.graphs, has_weights)) or time_graphs(model, budget_s)
+        if shared and given is None:
+            shared.store(key, model.timings.export())
     return {weights: choose(model.timings, candidates(model.graphs, weights, has_weights), weights)
             for weights in (True, False)}
+
+
+def timings_key(model: LoadedModel) -> str:
+    """A model version, as the times of its graphs are shared (`adopt` checks they are of its graphs)."""
+    return f"{model.name} {model.config.version} {model.sha256}"
 
 
 def describe(choice: dict[bool, Ladder]) -> list[dict[str, Any]]:
@@ -444,14 +453,14 @@ _WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
 _TIMED_RUNS = 7
 
 
-def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, given: Exported | None = None) -> None:
-    """Where the model has several graphs and `graph_timing_s` is not 0, times them (or takes the times `given`)
+def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, shared: SharedTimings | None = None) -> None:
+    """Where the model has several graphs and `graph_timing_s` is not 0, times them (or takes their `shared` times)
     and chooses which runs a batch by its size (service.core.choice: about that many seconds). Then runs on
     a small and a larger input, so the first client does not pay for allocation; then each timed a few
     times, the two in turn (a burst of load slows both), the fastest of each kept in `model.run_times`: for
     the batcher to know from the first request what a run of this model costs (a few ms a model)."""
     if graph_timing_s > 0 and len(model.graphs) > 1:
-        model.choice = timed_choice(model, graph_timing_s, given)
+        model.choice = timed_choice(model, graph_timing_s, shared)
     rng = np.random.default_rng(0)
     feeds = [example_feed(model.kind, model.config.hyperparameters, sizes, rng) for sizes in _WARM_SIZES]
     elements = []

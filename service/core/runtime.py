@@ -16,7 +16,6 @@ of the version are opened beside them, and each batch runs the fastest for its s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -321,14 +320,10 @@ class Loader:
         model = load_model(model_dir, self.providers, self.intra_op_threads, require_cuda=self.device == "cuda",
                            version=version, candidates=timing > 0)
         if self.warmup:
-            shared = self.shared if timing > 0 and len(model.graphs) > 1 else None
-            with shared.turn(timings_key(model)) if shared else contextlib.nullcontext() as given:
-                try:
-                    warm_up(model, timing, given)
-                except Exception as e:  # warm-up failing is the model's fault too
-                    raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
-                if shared and given is None and model.timings is not None:
-                    shared.store(timings_key(model), model.timings.export())
+            try:
+                warm_up(model, timing, self.shared)
+            except Exception as e:  # warm-up failing is the model's fault too
+                raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
             # Tried once, fell back: spare the other models the same failed attempt.
             log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
@@ -347,11 +342,6 @@ class Loader:
             return read_config(model_dir).version if model_dir is not None else None
         except Exception:
             return None
-
-
-def timings_key(model: LoadedModel) -> str:
-    """A model version, as the times of its graphs are shared (Loader; `adopt` checks they are of its graphs)."""
-    return f"{model.name} {model.config.version} {model.sha256}"
 
 
 class Registry:

@@ -36,7 +36,7 @@ tests/service/test_layers.py checks that each exists in the installed uvicorn):
         handle_hup), Process (config, _server), whose module-level name run_workers replaces while
         the supervisor runs;
     uvicorn.Config: a callable app with factory=True, unpickled and called in each worker (run_workers's
-        factory, with the start's times of the graphs).
+        factory, with the folder where the start's processes share the graphs' times).
 """
 
 from __future__ import annotations

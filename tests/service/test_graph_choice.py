@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from export.repository import example_feed
-from service.core.choice import UNBOUNDED, Graph, SharedTimings, Timings, adopt, candidates, choose
+from service.core.choice import UNBOUNDED, Graph, SharedTimings, Timings, adopt, candidates, choose, timings_key
 from service.core.jobs import Job
 from service.core.merge import run_batch
 from service.core.metrics import Metrics
 from service.core.request import Request
-from service.core.runtime import CPU, CUDA, Registry, timings_key
+from service.core.runtime import CPU, CUDA, Registry
 from service.protocols.attend import encode_attend
 from tests.server import running_service
 
