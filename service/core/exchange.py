@@ -166,6 +166,10 @@ async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list, s
         version = request.model.config.version
         answer = await core.infer(request, until, encode, x.disconnected, cost, stamps)
     except ServiceError as e:
+        # Its traceback holds the frames it passed through, and they what they held: the body, its
+        # decode. A future that delivered it (a decode thread's, a batch's) is among those frames' locals,
+        # and holds it: a cycle only a full collection, rare, would free. Dropped, they go now.
+        e.__traceback__ = None
         cost.release()
         outcome[1] = core.failed(e.model or model, e, time.perf_counter() - start, version, x.protocol)
         if stamps is not None:
@@ -180,9 +184,10 @@ async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list, s
         if stamps is not None:
             stamps.error = error
         raise
-    except Exception:
+    except Exception as e:
         cost.release()
         log.exception("unhandled error in %s %s", x.method, x.path(model)[:200])
+        e.__traceback__ = None  # logged: as above
         error = ServiceError("internal server error")
         outcome[1] = core.failed(model, error, time.perf_counter() - start, version, x.protocol)
         if stamps is not None:
