@@ -453,6 +453,11 @@ _WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
 _TIMED_RUNS = 7
 
 
+def small_feed(model: LoadedModel) -> dict[str, np.ndarray]:
+    """The warm-up's small example as `model`'s feed."""
+    return example_feed(model.kind, model.config.hyperparameters, _WARM_SIZES[0], np.random.default_rng(0))
+
+
 def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, shared: SharedTimings | None = None) -> None:
     """Where the model has several graphs and `graph_timing_s` is not 0, times them (or takes their `shared` times)
     and chooses which runs a batch by its size (service.core.choice: about that many seconds). Then runs on

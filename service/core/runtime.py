@@ -40,7 +40,17 @@ from export.repository import (
 )
 from export.repository import model_dir as folder_of
 from service.core import denormals
-from service.core.choice import Graph, Ladder, SharedTimings, Timings, describe_ladders, fixed_choice, pick, warm_up
+from service.core.choice import (
+    Graph,
+    Ladder,
+    SharedTimings,
+    Timings,
+    describe_ladders,
+    fixed_choice,
+    pick,
+    small_feed,
+    warm_up,
+)
 from service.core.choice import describe as describe_choice
 from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: named here too)
     CPU,
@@ -51,6 +61,7 @@ from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: nam
     open_session,
     preload_cuda,
     providers_for,
+    shrink_arena,
     without_paths,
 )
 from service.core.statistics import ModelStatistics
@@ -324,6 +335,7 @@ class Loader:
                 warm_up(model, timing, self.shared)
             except Exception as e:  # warm-up failing is the model's fault too
                 raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
+            shrink_arena(model.session, small_feed(model))  # the timing's largest runs: not kept
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
             # Tried once, fell back: spare the other models the same failed attempt.
             log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
@@ -367,6 +379,14 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(name for name, versions in self.versions.items() if versions)
+
+    def shrink_arena(self) -> None:
+        """The CPU arena's free regions back to the system (service.core.sessions.shrink_arena), by a run of one
+        served model on its small example."""
+        for versions in list(self.versions.values()):
+            for model in list(versions.values()):
+                shrink_arena(model.session, small_feed(model))
+                return
 
     def loaded_versions(self, name: str) -> list[int]:
         return sorted(self.versions.get(name, {}))

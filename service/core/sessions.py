@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,8 +97,37 @@ def _new_session(path: Path, options: ort.SessionOptions, providers: list[Any]) 
     return session, _cuda_failure(captured[0])
 
 
+# Every session of the process allocates on the CPU from one arena (ONNX Runtime's environment allocator),
+# extended by what each allocation asks for. An arena of a session's own keeps the most that session ever
+# used, up to twice that where it grows by doubling, and a repository's ~15 sessions add theirs up
+# (docs/reliability.md, "What ONNX Runtime keeps").
+_ARENA = {"arena_extend_strategy": 1}  # kSameAsRequested
+_arena_lock = threading.Lock()
+_arena_made = False
+# A run with these gives the arena's free regions back to the system at its end (`shrink_arena`).
+_SHRINK = ort.RunOptions()
+_SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+
+def _use_shared_arena(options: ort.SessionOptions) -> None:
+    global _arena_made
+    with _arena_lock:
+        if not _arena_made:
+            cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(_ARENA))
+            _arena_made = True
+    options.add_session_config_entry("session.use_env_allocators", "1")
+
+
+def shrink_arena(session: ort.InferenceSession, feed: dict[str, Any]) -> None:
+    """The shared arena's free regions back to the system: a run of `session` (any, on a small `feed`) that
+    shrinks it at its end."""
+    session.run(None, feed, _SHRINK)
+
+
 def _session_options(intra_op_threads: int) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    _use_shared_arena(options)
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

@@ -2,7 +2,10 @@
 tests/service/test_overload.py against a fresh `python -m service` (default settings unless named),
 measured and printed as a table. The tests assert the bounds; this prints what was measured.
 
-    python tests/load/hostile.py [--skip-burst] [--out docs/reliability.md]
+    python tests/load/hostile.py [--skip-burst] [--tree PATH] [--out docs/reliability.md]
+
+`--tree` serves another checkout's service (e.g. `git worktree add /tmp/base <commit>`): the same attacks on
+the tree before a change.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import json
 import resource
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -39,6 +44,7 @@ from tests.service.test_overload import (  # noqa: E402
 ROWS: list[tuple[str, str, str]] = []
 # The budget deploy/kubernetes/attend.yaml sets (320 MiB), so that its burst row sizes that Deployment.
 K8S_BUDGET_MIB = 320
+COMMAND: list[str] | None = None  # --tree's service; None: this checkout's
 
 
 def row(attack: str, figure: str, value: str) -> None:
@@ -54,7 +60,7 @@ def timed(method: str, url: str, body: bytes | None = None) -> tuple[int, float]
 
 def connections(repository: Path) -> None:
     attack = "1000 connections: 700 idle, 300 with a header begun (`ATTEND_HEADER_TIMEOUT_S=3`)"
-    with running_service(repository, ATTEND_HEADER_TIMEOUT_S="3") as (url, _):
+    with running_service(repository, command=COMMAND, ATTEND_HEADER_TIMEOUT_S="3") as (url, _):
         idle = [connect(url) for _ in range(700)]
         slow = [connect(url) for _ in range(300)]
         for s in slow:
@@ -75,7 +81,7 @@ def connections(repository: Path) -> None:
 
 def headers(repository: Path) -> None:
     attack = "20 connections each sending a 50 MiB header"
-    with running_service(repository) as (url, proc):
+    with running_service(repository, command=COMMAND) as (url, proc):
         before = rss_mb(proc.pid)
         chunk = b"X-Big: " + b"a" * (1024 * 1024 - 9) + b"\r\n"
 
@@ -107,7 +113,7 @@ def burst(repository: Path, budget_mib: int | None) -> None:
     array = rng.normal(size=(1, 780, 512)).tolist()
     body = json.dumps({"model": "dot_product", "queries": array, "keys": array, "values": array}).encode()
     env = {"ATTEND_MAX_INFLIGHT_BYTES": str(budget_mib * 1024 * 1024)} if budget_mib else {}
-    with running_service(repository, **env) as (url, proc):
+    with running_service(repository, command=COMMAND, **env) as (url, proc):
         httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=60)
         time.sleep(3)
         before = rss_mb(proc.pid)
@@ -153,7 +159,7 @@ def deadline(repository: Path) -> None:
 def vanishing(repository: Path, tmp: Path) -> None:
     attack = "200 clients that send half a body, then disconnect"
     log = tmp / "hostile.log"
-    with running_service(repository, log_path=log, ATTEND_LOG_LEVEL="info") as (url, _):
+    with running_service(repository, command=COMMAND, log_path=log, ATTEND_LOG_LEVEL="info") as (url, _):
         metrics = vanishing_clients(url)
     text = log.read_text()
     row(attack, "attend_requests_total",
@@ -162,12 +168,71 @@ def vanishing(repository: Path, tmp: Path) -> None:
         f"{text.count(' 499 ')} access lines with 499")
 
 
+def _mixed_body(rng: np.random.Generator) -> bytes:
+    """One of four models, batch 1-8, sequences of 16 to 2048, weights asked for or not, valid lengths of
+    either form or none: most within the limits, some over them (413) or of a wrong shape (422)."""
+    model = str(rng.choice(["dot_product", "dot_product", "multi_head", "additive", "self_attention"]))
+    b, n_q, n_k = int(rng.integers(1, 9)), int(rng.choice([16, 64, 128, 256, 512, 1024, 2048])), \
+        int(rng.choice([16, 64, 256, 512, 1024, 2048]))
+    d = {"dot_product": int(rng.choice([8, 64, 128])), "additive": 20}.get(model, 100)
+    request = {"model": model, "queries": rng.standard_normal((b, n_q, d), dtype=np.float32),
+               "return_weights": bool(rng.random() < 0.5)}
+    if model == "self_attention":
+        n_k = n_q
+    else:
+        request["keys"] = rng.standard_normal((b, n_k, 2 if model == "additive" else d), dtype=np.float32)
+        value_size = 100 if model == "multi_head" else int(rng.choice([1, 16, 64]))
+        request["values"] = rng.standard_normal((b, n_k, value_size), dtype=np.float32)
+    if rng.random() < 0.5:
+        request["valid_lens"] = rng.integers(1, n_k + 1, size=(b,) if rng.random() < 0.5 else (b, n_q))
+    return orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def mixed(repository: Path, requests: int = 400, clients: int = 4) -> None:
+    attack = (f"{requests} large requests from {clients} clients, four models, `ATTEND_MAX_INFLIGHT_BYTES="
+              f"{K8S_BUDGET_MIB} MiB`")
+    rng, lock, sent = np.random.default_rng(0), threading.Lock(), [0]
+    statuses: dict[int, int] = {}
+    with running_service(repository, command=COMMAND, ATTEND_INTRA_OP_THREADS="1", ATTEND_INFERENCE_THREADS="1",
+                         ATTEND_MAX_INFLIGHT_BYTES=str(K8S_BUDGET_MIB << 20)) as (url, proc):
+        time.sleep(1)
+        before = rss_mb(proc.pid)
+
+        def client(_) -> None:
+            with httpx.Client(base_url=url, timeout=120) as http:
+                while True:
+                    with lock:  # the bodies of one generator, whichever client sends them
+                        if sent[0] == requests:
+                            return
+                        sent[0] += 1
+                        body = _mixed_body(rng)
+                    status = http.post("/attend", content=body, headers={"content-type": "application/json"}
+                                       ).status_code
+                    with lock:
+                        statuses[status] = statuses.get(status, 0) + 1
+
+        start = time.monotonic()
+        with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(clients) as pool:
+            list(pool.map(client, range(clients)))
+        took = time.monotonic() - start
+        time.sleep(30)
+        after = rss_mb(proc.pid)
+    row(attack, "answers", ", ".join(f"{n} x {s}" for s, n in sorted(statuses.items())) + f", in {took:.0f} s")
+    row(attack, "resident memory: before / peak / 30 s after",
+        f"{before:.0f} / {max(peak):.0f} / {after:.0f} MiB (peak +{max(peak) - before:.0f}, "
+        f"after +{after - before:.0f})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
     parser.add_argument("--skip-burst", action="store_true", help="leave out the 30 MB bursts (~2 minutes)")
+    parser.add_argument("--tree", type=Path, help="serve this checkout's service instead of this one's")
     parser.add_argument("--out", type=Path, help="also write the table into this markdown file's hostile section")
     args = parser.parse_args()
+    global COMMAND
+    if args.tree:
+        COMMAND = ["bash", "-c", f"cd {args.tree.resolve()} && exec {sys.executable} -m service"]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
     import tempfile
@@ -177,6 +242,7 @@ def main() -> int:
     if not args.skip_burst:
         burst(args.repository, None)
         burst(args.repository, K8S_BUDGET_MIB)
+        mixed(args.repository)
     deadline(args.repository)
     vanishing(args.repository, Path(tempfile.mkdtemp()))
     table = ["| attack | figure | measured |", "| --- | --- | --- |"]
