@@ -432,7 +432,10 @@ async def _sample_metrics(metrics: Metrics, every_s: float = 1.0) -> None:
 
 
 def _give_memory_back(registry: Registry) -> None:
-    registry.shrink_arena()  # first: what the arena frees goes to glibc's heaps, trimmed next
+    try:
+        registry.shrink_arena()  # first: what the arena frees goes to glibc's heaps, trimmed next
+    except Exception as e:  # a model unloaded meanwhile, say: the next quiet period tries again
+        log.warning("could not shrink ONNX Runtime's arena: %s", e)
     trim_memory()
 
 

@@ -333,9 +333,9 @@ class Loader:
         if self.warmup:
             try:
                 warm_up(model, timing, self.shared)
+                shrink_arena(model.session, small_feed(model))  # the timing's largest runs: not kept
             except Exception as e:  # warm-up failing is the model's fault too
                 raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
-            shrink_arena(model.session, small_feed(model))  # the timing's largest runs: not kept
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
             # Tried once, fell back: spare the other models the same failed attempt.
             log.warning("no CUDA here (%s): the CPU execution provider serves every model", model.cuda_failure)
