@@ -383,10 +383,9 @@ class Registry:
     def shrink_arena(self) -> None:
         """The CPU arena's free regions back to the system (service.core.sessions.shrink_arena), by a run of one
         served model on its small example."""
-        for versions in list(self.versions.values()):
-            for model in list(versions.values()):
-                shrink_arena(model.session, small_feed(model))
-                return
+        model = next((m for versions in list(self.versions.values()) for m in list(versions.values())), None)
+        if model is not None:
+            shrink_arena(model.session, small_feed(model))
 
     def loaded_versions(self, name: str) -> list[int]:
         return sorted(self.versions.get(name, {}))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -37,6 +38,16 @@ from tests.server import running_service  # noqa: E402
 def status_mib(pid: int, field: str) -> float:
     line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field + ":"))
     return int(line.split()[1]) / 1024
+
+
+def resident_after_idle(pid: int, idle: float) -> float:
+    """MiB resident above `idle` once the service has given memory back (it does after 2 s without
+    requests): the least of 16 samples half a second apart."""
+    left = []
+    for _ in range(16):
+        time.sleep(0.5)
+        left.append(status_mib(pid, "VmRSS") - idle)
+    return min(left)
 
 
 def largest_weights(elements: int, model: str = "dot_product", sent: bool = True) -> Body:
