@@ -45,7 +45,7 @@ import onnxruntime as ort
 
 from export.repository import example_feed, without_head_axis
 from service.core import denormals
-from service.core.sessions import CPU, CUDA
+from service.core.sessions import CPU, CUDA, shrink_arena
 
 if TYPE_CHECKING:
     from service.core.runtime import LoadedModel
@@ -453,9 +453,11 @@ _WARM_SIZES = ({"batch": 2, "n_q": 3, "n_k": 4, "n": 3, "d": 8, "value_size": 8}
 _TIMED_RUNS = 7
 
 
-def small_feed(model: LoadedModel) -> dict[str, np.ndarray]:
-    """The warm-up's small example as `model`'s feed."""
-    return example_feed(model.kind, model.config.hyperparameters, _WARM_SIZES[0], np.random.default_rng(0))
+def give_back_arena(model: LoadedModel) -> None:
+    """ONNX Runtime's CPU arena's free regions back to the system (service.core.sessions.shrink_arena), by a run of
+    `model` on the warm-up's small example."""
+    shrink_arena(model.session, example_feed(model.kind, model.config.hyperparameters, _WARM_SIZES[0],
+                                             np.random.default_rng(0)))
 
 
 def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, shared: SharedTimings | None = None) -> None:
@@ -463,7 +465,8 @@ def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, shared: SharedTimin
     and chooses which runs a batch by its size (service.core.choice: about that many seconds). Then runs on
     a small and a larger input, so the first client does not pay for allocation; then each timed a few
     times, the two in turn (a burst of load slows both), the fastest of each kept in `model.run_times`: for
-    the batcher to know from the first request what a run of this model costs (a few ms a model)."""
+    the batcher to know from the first request what a run of this model costs (a few ms a model). Last, the
+    arena's free regions go back to the system."""
     if graph_timing_s > 0 and len(model.graphs) > 1:
         model.choice = timed_choice(model, graph_timing_s, shared)
     rng = np.random.default_rng(0)
@@ -480,5 +483,6 @@ def warm_up(model: LoadedModel, graph_timing_s: float = 0.0, shared: SharedTimin
             model.run(feed, elements=elements[i])
             fastest[i] = min(fastest[i], time.perf_counter() - start)
     model.run_times.extend(zip(elements, fastest, strict=True))
+    give_back_arena(model)  # the timing's largest runs: not kept
     for graph in model.graphs:
         graph.runs = 0  # the warm-up's are not the service's

@@ -47,8 +47,8 @@ from service.core.choice import (
     Timings,
     describe_ladders,
     fixed_choice,
+    give_back_arena,
     pick,
-    small_feed,
     warm_up,
 )
 from service.core.choice import describe as describe_choice
@@ -61,7 +61,6 @@ from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: nam
     open_session,
     preload_cuda,
     providers_for,
-    shrink_arena,
     without_paths,
 )
 from service.core.statistics import ModelStatistics
@@ -333,7 +332,6 @@ class Loader:
         if self.warmup:
             try:
                 warm_up(model, timing, self.shared)
-                shrink_arena(model.session, small_feed(model))  # the timing's largest runs: not kept
             except Exception as e:  # warm-up failing is the model's fault too
                 raise StartupError(f"model {name}: warm-up failed: {without_paths(str(e), model_dir)}") from e
         if self.device == "auto" and model.provider != CUDA and CUDA in str(self.providers):
@@ -381,11 +379,10 @@ class Registry:
         return sorted(name for name, versions in self.versions.items() if versions)
 
     def shrink_arena(self) -> None:
-        """The CPU arena's free regions back to the system (service.core.sessions.shrink_arena), by a run of one
-        served model on its small example."""
+        """The CPU arena's free regions back to the system, by a run of one served model (choice.give_back_arena)."""
         model = next((m for versions in list(self.versions.values()) for m in list(versions.values())), None)
         if model is not None:
-            shrink_arena(model.session, small_feed(model))
+            give_back_arena(model)
 
     def loaded_versions(self, name: str) -> list[int]:
         return sorted(self.versions.get(name, {}))
