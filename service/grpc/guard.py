@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 
 from service.core.errors import InvalidRequest, NotReady, Overloaded, RequestTimeout, ServiceError
 from service.core.logs import log_access
-from service.grpc.status import code_of, details_of, metadata_of
+from service.grpc.status import end_call
 
 HEALTH = frozenset({"ServerLive", "ServerReady"})
 # The size of the call's message as it came (the handler's task's): what ModelInfer holds against the
@@ -104,11 +104,11 @@ class CallGuard:
 
         async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             if not exempt and self.stopping:
-                await _abort(context, name, NotReady("the service is stopping; retry on another",
-                                                     headers={"Retry-After": "1"}))
+                return _end(context, name, NotReady("the service is stopping; retry on another",
+                                                    headers={"Retry-After": "1"}))
             if not exempt and self.calls >= self.max_calls:
                 self._refused("connections")
-                await _abort(context, name, Overloaded(
+                return _end(context, name, Overloaded(
                     f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
                     headers={"Retry-After": "1"}))
             self.calls += 1
@@ -123,15 +123,15 @@ class CallGuard:
                     raise
                 except TimeoutError:
                     self._refused("body_timeout")
-                    await _abort(context, name, RequestTimeout(
+                    return _end(context, name, RequestTimeout(
                         f"the call's message did not arrive within {self.message_timeout_s:g} s "
                         "(ATTEND_BODY_TIMEOUT_S)"))
                 if message is grpc.aio.EOF:
-                    await _abort(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
+                    return _end(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
                 try:
                     request = deserialize(message)
                 except DecodeError:
-                    await _abort(context, name, InvalidRequest(
+                    return _end(context, name, InvalidRequest(
                         f"{name}: the request message is not an inference.{name}Request"))
                 message_size.set(len(message))
                 return await behavior(request, context)
@@ -151,7 +151,6 @@ class CallGuard:
             counter.inc()
 
 
-async def _abort(context: grpc.aio.ServicerContext, name: str, error: ServiceError) -> None:
+def _end(context: grpc.aio.ServicerContext, name: str, error: ServiceError) -> None:
     log_access("GRPC", name, error.status, 0.0)
-    await context.abort(code_of(error), details_of(error), metadata_of(error))
-    raise AssertionError("abort returned")  # it never does
+    end_call(context, error)

@@ -31,7 +31,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -49,7 +49,7 @@ from service.grpc.drain import drain
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.proto import model_config_pb2
-from service.grpc.status import CODES, code_of, details_of, metadata_of
+from service.grpc.status import CODES, end_call
 from service.protocols.v2 import config, extensions, metadata
 
 log = logging.getLogger("service")
@@ -83,16 +83,6 @@ def _authorization(metadata: dict[str, str | bytes]) -> bytes | None:
     return value.encode("latin-1", "replace") if isinstance(value, str) else value
 
 
-async def _refuse(context: grpc.aio.ServicerContext, error: ServiceError, rid: str | None = None,
-                  traceresponse: str | None = None) -> NoReturn:
-    """Ends the call with the error's status code and details (raises grpc's AbortError)."""
-    trailing = metadata_of(error) + ((("x-request-id", rid),) if rid else ())
-    if traceresponse is not None:
-        trailing += (("traceresponse", traceresponse),)
-    await context.abort(code_of(error), details_of(error), trailing)
-    raise AssertionError("abort returned")  # it never does
-
-
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
@@ -110,12 +100,10 @@ def _rpc(method: Handler) -> Handler:
             return answer
         except ServiceError as e:
             status = e.status
-            await _refuse(context, e)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
+            end_call(context, e)
         except Exception:
             log.exception("unhandled error in gRPC %s", name)
-            await _refuse(context, ServiceError("internal server error"))
+            end_call(context, ServiceError("internal server error"))
         finally:
             log_access("GRPC", name, status, time.perf_counter() - start)
 
@@ -227,6 +215,8 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             await self.dataplane.serve(exchange)
         finally:
             self.in_progress.n -= 1
+        if exchange.answer is None:  # refused: `refuse` set the status
+            return None
         if exchange.traceresponse is None:
             context.set_trailing_metadata((("x-request-id", exchange.rid),))
         else:
@@ -282,7 +272,10 @@ class GrpcExchange:
         self.answer = answer.body
 
     async def refuse(self, error: ServiceError) -> None:
-        await _refuse(self.context, error, self.rid, self.traceresponse)
+        trailing = (("x-request-id", self.rid),)
+        if self.traceresponse is not None:
+            trailing += (("traceresponse", self.traceresponse),)
+        end_call(self.context, error, trailing)
 
     # Tracing (service.core.tracing; only while it is on): OpenTelemetry's conventions for RPC servers (gRPC).
 
@@ -309,7 +302,8 @@ class GrpcExchange:
 def _unimplemented(name: str) -> Handler:
     async def call(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         log_access("GRPC", name, 501, 0.0)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this server does not implement {name}")
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details(f"this server does not implement {name}")
 
     call.__name__ = name
     return call

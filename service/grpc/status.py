@@ -40,6 +40,17 @@ CODES: dict[int, grpc.StatusCode] = {
 }
 
 
+def end_call(context: grpc.aio.ServicerContext, error: ServiceError, trailing: tuple[tuple[str, str], ...] = ()
+             ) -> None:
+    """Ends the call with the error's status code, details and trailing metadata once its handler returns
+    (what it returns is discarded). Not `context.abort`: grpc keeps the AbortError it raises on the call,
+    so the error's frames (the request message among them) stayed in a reference cycle until a full
+    collection, tens of MiB a refused call (docs/reliability.md)."""
+    context.set_code(code_of(error))
+    context.set_details(details_of(error))
+    context.set_trailing_metadata(metadata_of(error) + trailing)
+
+
 def code_of(error: ServiceError) -> grpc.StatusCode:
     return CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
