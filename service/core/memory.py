@@ -16,12 +16,16 @@ _MMAP_THRESHOLD = 4 * 1024 * 1024
 def release_memory_eagerly() -> None:
     """glibc keeps freed memory in its heaps; large buffers (request bodies, decoded arrays) made
     the resident size grow for good after a burst. Buffers of 4 MiB and more are mapped on their
-    own instead (returned to the system when freed), and the heaps are trimmed when idle
+    own instead (returned to the system when freed), and the one heap is trimmed when idle
     (`trim_memory`). Measured in docs/reliability.md."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (also stops glibc raising it by itself)
         libc.mallopt(-1, 32 * 1024 * 1024)  # M_TRIM_THRESHOLD: the rest waits for the idle trim
+        # M_ARENA_MAX: one heap for every thread. A thread that found it locked got a heap of its own, and
+        # malloc_trim does not give back the free end of those (only a free() past M_TRIM_THRESHOLD does):
+        # after large gRPC messages (grpc's threads) 60-80 MiB stayed resident (docs/reliability.md).
+        libc.mallopt(-8, 1)
 
 
 def trim_memory() -> None:
