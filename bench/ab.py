@@ -9,8 +9,9 @@ CPU time a request (what a request costs), paired the same way.
 
 Workloads are bench/run.py's rows (bench/pools.py): W1-W7 pools of varied bodies (a different body a
 request, made once and sent to every server), W2bin W2's pool through the Open Inference Protocol in
-binary tensors, W1r-W3r one body replayed (what this script measured before 2026-11-25). The load
-generator is bench/loadgen.py's (wrk with bench/pool.lua): every request timed, p50 and p99 from them.
+binary tensors, W1grpc and W2grpc over gRPC, W1r-W3r one body replayed (what this script measured before
+2026-11-25). The load generators are bench/loadgen.py's (wrk with bench/pool.lua, bench/grpc_load.py):
+every request timed, p50 and p99 from them.
 
 Each SERVER is a checkout of this repository (`git worktree add /tmp/base <commit>`), optionally
 followed by `+NAME=VALUE,...` service settings. Every server uses this checkout's virtual
@@ -35,7 +36,7 @@ from loadgen import measure  # noqa: E402
 from pools import ROWS, SEED, TRANSPORTS, make_pools  # noqa: E402
 from run import PIN, cpu_seconds, service_env  # noqa: E402
 
-from tests.server import running_service  # noqa: E402
+from tests.server import free_port, running_service  # noqa: E402
 
 
 def checkout(spec: str) -> tuple[list[str], dict[str, str]]:
@@ -46,11 +47,12 @@ def checkout(spec: str) -> tuple[list[str], dict[str, str]]:
     return ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"], extra
 
 
-def serve(repository: Path, spec: str, **env: str):
+def serve(repository: Path, spec: str, grpc_port: int):
     """SERVER as this script serves it: its checkout's service (`checkout`), pinned to the server core, at
-    the measured settings. A context manager of (url, process)."""
+    the measured settings, gRPC on `grpc_port`. A context manager of (url, process)."""
     command, extra = checkout(spec)
-    return running_service(repository, prefix=PIN, command=command, **env, **service_env(True, extra))
+    return running_service(repository, prefix=PIN, command=command,
+                           **service_env(True, {"ATTEND_GRPC_PORT": str(grpc_port)} | extra))
 
 
 def main() -> int:
@@ -76,18 +78,19 @@ def main() -> int:
         stack.callback(shutil.rmtree, tmp)
         servers = []
         for spec in args.servers:
-            url, proc = stack.enter_context(serve(args.repository, spec))
-            servers.append((spec, int(url.rsplit(":", 1)[1]), proc))
+            grpc_port = free_port()
+            url, proc = stack.enter_context(serve(args.repository, spec, grpc_port))
+            servers.append((spec, {"wrk": int(url.rsplit(":", 1)[1]), "grpc": grpc_port}, proc))
         for name in wanted:
             client, index = TRANSPORTS[ROWS[name][1]].client, pools[name]["index"]
             for c in (int(c) for c in args.concurrency.split(",")):
-                for _, port, _ in servers:
-                    measure(client, port, index, c, 1)  # warm-up
+                for _, ports, _ in servers:
+                    measure(client, ports[client], index, c, 1)  # warm-up
                 for r in range(args.rounds):
-                    for spec, port, proc in servers if r % 2 == 0 else servers[::-1]:
+                    for spec, ports, proc in servers if r % 2 == 0 else servers[::-1]:
                         print(f"[{r + 1}/{args.rounds}] {name} c={c} {spec} ...", file=sys.stderr)
                         cpu_before = cpu_seconds(proc.pid)
-                        point = measure(client, port, index, c, args.seconds)
+                        point = measure(client, ports[client], index, c, args.seconds)
                         if not point.ok:
                             raise RuntimeError(f"{name} c={c} {spec}: {point.failed} failed {point.statuses}, "
                                                f"errors {point.errors}")
