@@ -11,6 +11,7 @@ the tree before a change.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import resource
 import socket
@@ -23,12 +24,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import orjson
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.load.report import write_section  # noqa: E402
-from tests.server import running_service  # noqa: E402
+from tests.server import free_port, running_service  # noqa: E402
 from tests.service.test_overload import (  # noqa: E402
     TOY,
     connect,
@@ -168,7 +171,7 @@ def vanishing(repository: Path, tmp: Path) -> None:
         f"{text.count(' 499 ')} access lines with 499")
 
 
-def _mixed_body(rng: np.random.Generator) -> bytes:
+def _mixed_request(rng: np.random.Generator) -> dict:
     """One of four models, batch 1-8, sequences of 16 to 2048, weights asked for or not, valid lengths of
     either form or none: most within the limits, some over them (413) or of a wrong shape (422)."""
     model = str(rng.choice(["dot_product", "dot_product", "multi_head", "additive", "self_attention"]))
@@ -185,31 +188,82 @@ def _mixed_body(rng: np.random.Generator) -> bytes:
         request["values"] = rng.standard_normal((b, n_k, value_size), dtype=np.float32)
     if rng.random() < 0.5:
         request["valid_lens"] = rng.integers(1, n_k + 1, size=(b,) if rng.random() < 0.5 else (b, n_q))
-    return orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
+    return request
 
 
-def mixed(repository: Path, requests: int = 400, clients: int = 4) -> None:
-    attack = (f"{requests} large requests from {clients} clients, four models, `ATTEND_MAX_INFLIGHT_BYTES="
-              f"{K8S_BUDGET_MIB} MiB`")
+# The forms of the mix, a request each in turn: every protocol, text and binary, compressed or not.
+FORMS = ("/attend JSON", "/attend JSON, gzip", "OIP JSON", "OIP binary", "gRPC")
+
+
+def _tensors(request: dict) -> dict[str, tuple[np.ndarray, str]]:
+    """Its arrays, each with the protocol's datatype."""
+    return {k: (v, "INT64" if v.dtype == np.int64 else "FP32") for k, v in request.items() if isinstance(v, np.ndarray)}
+
+
+def _asked(request: dict) -> list[str]:
+    return ["outputs", "attention_weights"] if request["return_weights"] else ["outputs"]
+
+
+def _oip(request: dict, binary: bool) -> tuple[bytes, dict[str, str]]:
+    """`request` over the Open Inference Protocol: JSON tensors, or binary ones (and binary answers)."""
+    tensors = _tensors(request)
+    inputs = [{"name": k, "datatype": datatype, "shape": list(v.shape)}
+              | ({"parameters": {"binary_data_size": v.nbytes}} if binary else {"data": v.ravel()})
+              for k, (v, datatype) in tensors.items()]
+    outputs = [{"name": k, "parameters": {"binary_data": binary}} for k in _asked(request)]
+    head = orjson.dumps({"inputs": inputs, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not binary:
+        return head, {"content-type": "application/json"}
+    return head + b"".join(v.tobytes() for v, _ in tensors.values()), {
+        "content-type": "application/octet-stream", "inference-header-content-length": str(len(head))}
+
+
+def _send(form: str, request: dict, http: httpx.Client, grpc: grpcclient.InferenceServerClient) -> str:
+    """`request` sent in `form`; the answer's status (HTTP's, or gRPC's code)."""
+    if form == "gRPC":
+        inputs = [grpcclient.InferInput(name, list(array.shape), datatype).set_data_from_numpy(array)
+                  for name, (array, datatype) in _tensors(request).items()]
+        try:
+            grpc.infer(request["model"], inputs, outputs=[grpcclient.InferRequestedOutput(k) for k in _asked(request)])
+            return "OK"
+        except InferenceServerException as e:
+            return str(e.status()).removeprefix("StatusCode.")
+    if form.startswith("OIP"):
+        path = f"/v2/models/{request['model']}/infer"
+        body, headers = _oip(request, binary=form == "OIP binary")
+    else:
+        path, headers = "/attend", {"content-type": "application/json"}
+        body = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
+        if form.endswith("gzip"):
+            body, headers = gzip.compress(body, 1), headers | {"content-encoding": "gzip"}
+    return str(http.post(path, content=body, headers=headers).status_code)
+
+
+def mixed(repository: Path, requests: int = 500, clients: int = 4) -> None:
+    attack = (f"{requests} large requests from {clients} clients, four models, the forms below in turn, "
+              f"`ATTEND_MAX_INFLIGHT_BYTES={K8S_BUDGET_MIB} MiB`")
     rng, lock, sent = np.random.default_rng(0), threading.Lock(), [0]
-    statuses: dict[int, int] = {}
+    answers: dict[str, dict[str, int]] = {form: {} for form in FORMS}
+    grpc_port = free_port()
     with running_service(repository, command=COMMAND, ATTEND_INTRA_OP_THREADS="1", ATTEND_INFERENCE_THREADS="1",
+                         ATTEND_GRPC_PORT=str(grpc_port),
                          ATTEND_MAX_INFLIGHT_BYTES=str(K8S_BUDGET_MIB << 20)) as (url, proc):
         time.sleep(1)
         before = rss_mb(proc.pid)
 
         def client(_) -> None:
-            with httpx.Client(base_url=url, timeout=120) as http:
+            with httpx.Client(base_url=url, timeout=120) as http, \
+                    grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc:
                 while True:
-                    with lock:  # the bodies of one generator, whichever client sends them
+                    with lock:  # the requests of one generator, whichever client sends them
                         if sent[0] == requests:
                             return
+                        form = FORMS[sent[0] % len(FORMS)]
                         sent[0] += 1
-                        body = _mixed_body(rng)
-                    status = http.post("/attend", content=body, headers={"content-type": "application/json"}
-                                       ).status_code
+                        request = _mixed_request(rng)
+                    status = _send(form, request, http, grpc)
                     with lock:
-                        statuses[status] = statuses.get(status, 0) + 1
+                        answers[form][status] = answers[form].get(status, 0) + 1
 
         start = time.monotonic()
         with sampling_rss(proc.pid) as peak, ThreadPoolExecutor(clients) as pool:
@@ -217,10 +271,12 @@ def mixed(repository: Path, requests: int = 400, clients: int = 4) -> None:
         took = time.monotonic() - start
         time.sleep(30)
         after = rss_mb(proc.pid)
-    row(attack, "answers", ", ".join(f"{n} x {s}" for s, n in sorted(statuses.items())) + f", in {took:.0f} s")
+    for form, counts in answers.items():
+        row(attack, f"answers, {form}", ", ".join(f"{n} x {s}" for s, n in sorted(counts.items())))
+    row(attack, "time", f"{took:.0f} s")
     row(attack, "resident memory: before / peak / 30 s after",
-        f"{before:.0f} / {max(peak):.0f} / {after:.0f} MiB (peak +{max(peak) - before:.0f}, "
-        f"after +{after - before:.0f})")
+        f"{before:.0f} / {max(peak):.0f} / {after:.0f} MiB (peak +{max(peak) - before:.0f} = "
+        f"{(max(peak) - before) / K8S_BUDGET_MIB:.2f} x the budget, after +{after - before:.0f})")
 
 
 def main() -> int:
