@@ -47,11 +47,11 @@ def checkout(spec: str) -> tuple[list[str], dict[str, str]]:
     return ["bash", "-c", f"cd {Path(tree).resolve()} && exec {sys.executable} -m service"], extra
 
 
-def serve(repository: Path, spec: str, grpc_port: int):
+def serve(repository: Path, spec: str, grpc_port: int = 0, **env: str):
     """SERVER as this script serves it: its checkout's service (`checkout`), pinned to the server core, at
-    the measured settings, gRPC on `grpc_port`. A context manager of (url, process)."""
+    the measured settings, gRPC on `grpc_port` (0: off). A context manager of (url, process)."""
     command, extra = checkout(spec)
-    return running_service(repository, prefix=PIN, command=command,
+    return running_service(repository, prefix=PIN, command=command, **env,
                            **service_env(True, {"ATTEND_GRPC_PORT": str(grpc_port)} | extra))
 
 

@@ -373,6 +373,25 @@ def test_the_gc_bench_times_the_collections_of_the_real_service(repository):
         assert collected < 1, out
 
 
+@needs_wrk
+def test_ab_pairs_two_servers_over_http_and_grpc(repository):
+    """bench/ab.py: a row a server and point, over HTTP (wrk) and gRPC (each server with a port of its own),
+    the first server the ratios' baseline."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ab.py"), ".", ".+ATTEND_MAX_BATCH_WAIT_US=0",
+                          "--workloads", "W1,W1grpc", "--concurrency", "4", "--rounds", "1", "--seconds", "1",
+                          "--repository", str(repository)], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| W1")]
+    assert [row[:3] for row in rows] == [[w, "4", server] for w in ("W1", "W1grpc")
+                                         for server in (".", ".+ATTEND_MAX_BATCH_WAIT_US=0")], out
+    for row in rows:
+        rps, p50, p99, cpu_us, ratio = (float(x) for x in row[3:8])
+        assert rps > 50 and 0 < p50 <= p99 and cpu_us > 0 and ratio > 0, out
+    assert rows[0][7] == rows[2][7] == "1.000", out
+
+
 def _plain_line(needle: str) -> int:
     """The line of bench/plain_server.py's route that holds `needle`."""
     lines = (ROOT / "bench" / "plain_server.py").read_text().splitlines()
