@@ -158,7 +158,8 @@ def attend_json(body: Body) -> tuple[str, bytes, int]:
 
 def v2_binary(body: Body) -> tuple[str, bytes, int]:
     """The body as an Open Inference Protocol request with binary tensors (float32, valid lengths int64),
-    binary outputs asked for: (path, bytes, the JSON header's length)."""
+    binary outputs asked for (`outputs` alone where it says `return_weights: false`): (path, bytes, the
+    JSON header's length)."""
     entries, blobs = [], []
     for name in ("queries", "keys", "values", "scores", "valid_lens"):
         if name not in body:
@@ -167,14 +168,16 @@ def v2_binary(body: Body) -> tuple[str, bytes, int]:
         entries.append({"name": name, "datatype": "INT64" if name == "valid_lens" else "FP32",
                         "shape": list(array.shape), "parameters": {"binary_data_size": array.nbytes}})
         blobs.append(array.tobytes())
-    head = json.dumps({"inputs": entries, "parameters": {"binary_data_output": True}}).encode()
+    asked = {"outputs": [{"name": "outputs", "parameters": {"binary_data": True}}]} \
+        if body.get("return_weights") is False else {"parameters": {"binary_data_output": True}}
+    head = json.dumps({"inputs": entries} | asked).encode()
     return f"/v2/models/{body['model']}/infer", head + b"".join(blobs), len(head)
 
 
 def grpc_raw(body: Body) -> tuple[str, bytes, int]:
     """The body as a serialized `ModelInferRequest` (tritonclient.grpc's protobuf message): float32 tensors
     and int64 valid lengths as `raw_input_contents`, every output asked for (as /attend answers outputs and
-    weights by default): (model, bytes, 0)."""
+    weights by default; `outputs` alone where it says `return_weights: false`): (model, bytes, 0)."""
     from tritonclient.grpc import service_pb2
 
     request = service_pb2.ModelInferRequest(model_name=body["model"])
@@ -184,6 +187,8 @@ def grpc_raw(body: Body) -> tuple[str, bytes, int]:
         array = np.array(body[name], dtype=np.int64 if name == "valid_lens" else np.float32)
         request.inputs.add(name=name, datatype="INT64" if name == "valid_lens" else "FP32", shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
+    if body.get("return_weights") is False:
+        request.outputs.add(name="outputs")
     return body["model"], request.SerializeToString(), 0
 
 

@@ -81,6 +81,23 @@ def test_pools_differ_by_seed_and_replayed_rows_are_one_body():
     assert run.workloads()["W1"][1] == pools.WORKLOADS["W1r"].bodies()[0]
 
 
+def test_the_protocol_encoders_ask_for_the_outputs_the_body_asks_for():
+    """pools.v2_binary and pools.grpc_raw (tests/load/hostile.py's mix sends them too): every output by
+    default, as /attend answers; `outputs` alone where the body says `return_weights: false`."""
+    from tritonclient.grpc import service_pb2
+
+    body = {"model": "dot_product", "queries": [[[1.0, 0.0]]], "keys": [[[1.0, 0.0], [0.0, 1.0]]],
+            "values": [[[1.0], [2.0]]]}
+    for weights, v2_asked, grpc_asked in ((None, None, []), (False, [{"name": "outputs", "parameters":
+                                                                      {"binary_data": True}}], ["outputs"])):
+        sent = body if weights is None else body | {"return_weights": weights}
+        _, content, head = pools.v2_binary(sent)
+        header = json.loads(content[:head])
+        assert header.get("outputs") == v2_asked and len(content) - head == 4 * (2 + 4 + 2), header
+        message = service_pb2.ModelInferRequest.FromString(pools.grpc_raw(sent)[1])
+        assert [o.name for o in message.outputs] == grpc_asked and len(message.raw_input_contents) == 3
+
+
 def test_pool_files_hold_whole_requests(tmp_path):
     encoded = [pools.attend_json(b) for b in pools.WORKLOADS["W1"].bodies(count=3)]
     index = pools.write_pool(tmp_path, "W1", encoded)

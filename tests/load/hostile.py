@@ -18,17 +18,21 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import orjson
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from grpc_load import METHOD  # noqa: E402
+from pools import grpc_raw, v2_binary  # noqa: E402
 
 from tests.load.report import write_section  # noqa: E402
 from tests.server import free_port, running_service  # noqa: E402
@@ -193,46 +197,33 @@ def _mixed_request(rng: np.random.Generator) -> dict:
 
 # The forms of the mix, a request each in turn: every protocol, text and binary, compressed or not.
 FORMS = ("/attend JSON", "/attend JSON, gzip", "OIP JSON", "OIP binary", "gRPC")
+JSON = {"content-type": "application/json"}
 
 
-def _tensors(request: dict) -> dict[str, tuple[np.ndarray, str]]:
-    """Its arrays, each with the protocol's datatype."""
-    return {k: (v, "INT64" if v.dtype == np.int64 else "FP32") for k, v in request.items() if isinstance(v, np.ndarray)}
+def _oip_json(request: dict) -> bytes:
+    """`request` over the Open Inference Protocol with JSON tensors (bench/pools.py has the binary form)."""
+    inputs = [{"name": k, "datatype": "INT64" if v.dtype == np.int64 else "FP32", "shape": list(v.shape),
+               "data": v.ravel()} for k, v in request.items() if isinstance(v, np.ndarray)]
+    asked = ["outputs", "attention_weights"] if request["return_weights"] else ["outputs"]
+    return orjson.dumps({"inputs": inputs, "outputs": [{"name": k} for k in asked]},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _asked(request: dict) -> list[str]:
-    return ["outputs", "attention_weights"] if request["return_weights"] else ["outputs"]
-
-
-def _oip(request: dict, binary: bool) -> tuple[bytes, dict[str, str]]:
-    """`request` over the Open Inference Protocol: JSON tensors, or binary ones (and binary answers)."""
-    tensors = _tensors(request)
-    inputs = [{"name": k, "datatype": datatype, "shape": list(v.shape)}
-              | ({"parameters": {"binary_data_size": v.nbytes}} if binary else {"data": v.ravel()})
-              for k, (v, datatype) in tensors.items()]
-    outputs = [{"name": k, "parameters": {"binary_data": binary}} for k in _asked(request)]
-    head = orjson.dumps({"inputs": inputs, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not binary:
-        return head, {"content-type": "application/json"}
-    return head + b"".join(v.tobytes() for v, _ in tensors.values()), {
-        "content-type": "application/octet-stream", "inference-header-content-length": str(len(head))}
-
-
-def _send(form: str, request: dict, http: httpx.Client, grpc: grpcclient.InferenceServerClient) -> str:
+def _send(form: str, request: dict, http: httpx.Client, grpc_call: Callable[[bytes], bytes]) -> str:
     """`request` sent in `form`; the answer's status (HTTP's, or gRPC's code)."""
     if form == "gRPC":
-        inputs = [grpcclient.InferInput(name, list(array.shape), datatype).set_data_from_numpy(array)
-                  for name, (array, datatype) in _tensors(request).items()]
         try:
-            grpc.infer(request["model"], inputs, outputs=[grpcclient.InferRequestedOutput(k) for k in _asked(request)])
+            grpc_call(grpc_raw(request)[1])
             return "OK"
-        except InferenceServerException as e:
-            return str(e.status()).removeprefix("StatusCode.")
-    if form.startswith("OIP"):
-        path = f"/v2/models/{request['model']}/infer"
-        body, headers = _oip(request, binary=form == "OIP binary")
+        except grpc.RpcError as e:
+            return e.code().name
+    if form == "OIP binary":
+        path, body, head = v2_binary(request)
+        headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(head)}
+    elif form == "OIP JSON":
+        path, body, headers = f"/v2/models/{request['model']}/infer", _oip_json(request), JSON
     else:
-        path, headers = "/attend", {"content-type": "application/json"}
+        path, headers = "/attend", JSON
         body = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         if form.endswith("gzip"):
             body, headers = gzip.compress(body, 1), headers | {"content-encoding": "gzip"}
@@ -252,8 +243,10 @@ def mixed(repository: Path, requests: int = 500, clients: int = 4) -> None:
         before = rss_mb(proc.pid)
 
         def client(_) -> None:
-            with httpx.Client(base_url=url, timeout=120) as http, \
-                    grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc:
+            with httpx.Client(base_url=url, timeout=120) as http, grpc.insecure_channel(
+                    f"127.0.0.1:{grpc_port}", options=[("grpc.max_send_message_length", 256 << 20),
+                                                       ("grpc.max_receive_message_length", 256 << 20)]) as channel:
+                call = channel.unary_unary(METHOD)  # bytes in, bytes out
                 while True:
                     with lock:  # the requests of one generator, whichever client sends them
                         if sent[0] == requests:
@@ -261,7 +254,7 @@ def mixed(repository: Path, requests: int = 500, clients: int = 4) -> None:
                         form = FORMS[sent[0] % len(FORMS)]
                         sent[0] += 1
                         request = _mixed_request(rng)
-                    status = _send(form, request, http, grpc)
+                    status = _send(form, request, http, call)
                     with lock:
                         answers[form][status] = answers[form].get(status, 0) + 1
 
