@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core import tracing
-from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
+from service.core.errors import ClientGone, DeadlineExceeded, Overloaded, ServiceError
 from service.core.jobs import Encoder, Job, heads_of
 from service.core.merge import product_sum, run_batch, run_terms
 from service.core.metrics import Metrics
@@ -249,7 +249,11 @@ class Batcher:
         for i, job in enumerate(jobs):
             if not job.future.done():
                 if error is None:
-                    job.future.set_result(results[i])  # type: ignore[index]
+                    result = results[i]  # type: ignore[index]
+                    if isinstance(result, ServiceError):  # this job's own refusal (merge.run_batch)
+                        job.future.set_exception(result)
+                    else:
+                        job.future.set_result(result)
                 else:
                     job.future.set_exception(error)
 

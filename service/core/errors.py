@@ -155,6 +155,15 @@ class InvalidShape(InvalidRequest):
               "lists the input shapes.")
 
 
+class NotFinite(InvalidRequest):
+    """The inputs are finite, but the model's outputs for them are not: a score q·k/√d or a projection passed
+    float32's largest number (3.4e38), and its softmax is NaN, as in the PyTorch modules."""
+
+    code = "not_finite"
+    advice = ("Send smaller numbers: the scores q·k/√d, and the projections of multi_head, self_attention and "
+              "additive, must stay within float32's range.")
+
+
 class HeadersTooLarge(ServiceError):
     """The request's headers are over ATTEND_MAX_HEADER_BYTES."""
 

@@ -6,16 +6,22 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from typing import Any
 
 import numpy as np
 
 from service.core import tracing
-from service.core.errors import OutOfDeviceMemory
+from service.core.errors import NotFinite, OutOfDeviceMemory
 from service.core.jobs import Job, SizePlan
 from service.core.metrics import Metrics
+from service.core.request import finite
 from service.core.runtime import LoadedModel
 
+# Queries scaled past float32 for a padded d become inf; their jobs run again alone (`_alone`), and NumPy's
+# warning would only say so.
+warnings.filterwarnings("ignore", message="overflow encountered in multiply", category=RuntimeWarning,
+                        module=r"service\.core\.merge")
 # What ONNX Runtime says where an allocation failed: its arena's (CPU or CUDA), or CUDA's own.
 _OUT_OF_MEMORY = re.compile(r"Failed to allocate memory|out of memory|cudaErrorMemoryAllocation|bad_alloc")
 
@@ -109,8 +115,13 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
         raise
     seconds = time.perf_counter() - start
     metrics.model(model.name).inference.observe(seconds)
+    # A NaN or an infinity anywhere in a job's answer shows in its outputs (the weights are a softmax, and the
+    # outputs their products): one look at the batch's, and at each job's only where that finds one.
+    overflowed = not finite(outputs["outputs"])
     if len(jobs) == 1:
         job = jobs[0]
+        if overflowed:
+            raise _not_finite(model)
         return ran(model, jobs, [job.encode(model, outputs, job.request.return_weights)], begun, start, seconds)
     results, row = [], 0
     if same:  # each job's part is its rows (a view, contiguous); an output without batch, whole
@@ -120,15 +131,31 @@ def run_batch(model: LoadedModel, jobs: list[Job], metrics: Metrics) -> tuple[li
             weights = job.request.return_weights
             mine = {name: outputs[name][row:end] if batched else outputs[name] for name, batched in by_batch
                     if weights or name != "attention_weights"}
-            results.append(job.encode(model, mine, weights))
+            results.append(_alone(model, job, metrics) if overflowed and not finite(mine["outputs"])
+                           else job.encode(model, mine, weights))
             row = end
         return ran(model, jobs, results, begun, start, seconds)
     for job in jobs:
         mine = {spec.name: np.ascontiguousarray(outputs[spec.name][_slice(spec.shape, job, row)])
                 for spec in model.outputs if job.request.return_weights or spec.name != "attention_weights"}
-        results.append(job.encode(model, mine, job.request.return_weights))
+        results.append(_alone(model, job, metrics) if overflowed and not finite(mine["outputs"])
+                       else job.encode(model, mine, job.request.return_weights))
         row += job.rows
     return ran(model, jobs, results, begun, start, seconds)
+
+
+def _not_finite(model: LoadedModel) -> NotFinite:
+    return NotFinite(f"the outputs of {model.name} for these inputs are not finite: they are within float32's "
+                     "range (|x| <= 3.4e38), but a score or a projection of them is not; send smaller numbers")
+
+
+def _alone(model: LoadedModel, job: Job, metrics: Metrics) -> Any:
+    """The answer of a job whose part of a batch's outputs is not finite, run again by itself (the batch's
+    padding may have scaled its queries past float32: `merge`), or its NotFinite."""
+    try:
+        return run_batch(model, [job], metrics)[0][0]
+    except NotFinite as e:
+        return e
 
 
 def ran(model: LoadedModel, jobs: list[Job], results: list[Any], begun: float, start: float, seconds: float

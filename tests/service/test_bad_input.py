@@ -115,6 +115,14 @@ CASES = [
     # simdjson cannot look such a key up by name (found by schemathesis): orjson reads the body instead
     ("unknown-field-nul", toy(**{"a\u0000b": 1}), 422, "invalid_request", "a\u0000b", None, None),
     ("unknown-model-long", toy(model="m" * 100000), 404, "model_not_found", "model", None, None),
+    # Finite inputs whose scores (q·k = 2e76) or projections pass float32: PyTorch's answer would be NaN.
+    ("scores-overflow", toy(model="dot_product", queries=[[[1e38, 1e38]]] * 2, keys=[[[1e38, 1e38]] * 10] * 2), 422,
+     "not_finite", None, None, None),
+    ("projections-overflow", {"model": "multi_head", "queries": np.ones((1, 3, 100)).tolist(),
+                              "keys": np.ones((1, 3, 100)).tolist(), "values": np.full((1, 3, 100), 3e38).tolist()},
+     422, "not_finite", None, None, None),
+    ("self-attention-overflow", {"model": "self_attention", "queries": np.full((1, 3, 100), 1e36).tolist()}, 422,
+     "not_finite", None, None, None),
 ]
 
 # The exact words of a client error: JSON's vocabulary, where the problem is, nothing of Python's.
@@ -143,6 +151,8 @@ MESSAGES = [
      "valid_lens, return_weights"),
     ("unknown-field-long", "unknown field '" + "x" * 64 + "'... (10000 characters); expected: model, version, "
      "queries, keys, values, scores, valid_lens, return_weights"),
+    ("scores-overflow", "the outputs of dot_product for these inputs are not finite: they are within float32's "
+     "range (|x| <= 3.4e38), but a score or a projection of them is not; send smaller numbers"),
     ("unknown-model-long", "'" + "m" * 64 + "'... (100000 characters) is not a model's name (a name is 1-64 "
      "letters, digits, '_', '-' or '.', starting with a letter or digit); available: additive, dot_product, "
      "masked_softmax, multi_head, positional_encoding, self_attention"),

@@ -16,10 +16,10 @@ from fastapi.testclient import TestClient
 
 from service.core.batching import BatchLimits, Job, Scheduler
 from service.core.cost import answer
-from service.core.errors import ClientGone, DeadlineExceeded, Overloaded
+from service.core.errors import ClientGone, DeadlineExceeded, NotFinite, Overloaded
 from service.core.merge import merge, product_sum, run_batch, run_terms, same_shapes
 from service.core.metrics import Metrics
-from service.core.request import Request
+from service.core.request import Request, finite
 from service.core.runcost import RunCost
 from service.core.runtime import Registry
 from service.http.app import create_app
@@ -160,6 +160,46 @@ def test_merged_weights_are_exactly_zero_on_padding(reference):
     assert feed["valid_lens"].tolist() == [[3] * 7, [8] * 7]
     np.testing.assert_allclose(weights[0, 2:, :3], 1 / 3)  # zero queries: even weights, sliced off
     assert np.all(outputs[0, 2:] == outputs[0, 2])
+
+
+def _overflowing(body: bytes) -> bytes:
+    """`body` (dot_product) with queries and keys of 1e38: finite float32, but q·k is 1e76, and the answer NaN."""
+    data = json.loads(body)
+    data["queries"] = np.full(np.shape(data["queries"]), 1e38).tolist()
+    data["keys"] = np.full(np.shape(data["keys"]), 1e38).tolist()
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize("lengths", ["mixed", "same"])
+def test_a_job_whose_outputs_overflow_is_refused_and_the_rest_of_its_batch_answered(reference, lengths):
+    bodies = (mixed_bodies if lengths == "mixed" else like_bodies)("dot_product", 6, seed=5)
+    bodies[2] = _overflowing(bodies[2])
+    jobs = [Job(reference.decode(b), deadline=float("inf"), encode=encode_attend) for b in bodies]
+    assert same_shapes(jobs) == (lengths == "same")
+    model = jobs[0].request.model
+    results, _ = run_batch(model, jobs, Metrics())
+    assert isinstance(results[2], NotFinite) and results[2].status == 422
+    for i, (body, result) in enumerate(zip(bodies, results, strict=True)):
+        if i != 2:
+            assert_same(result, reference.attend(body))
+    with pytest.raises(NotFinite, match="the outputs of dot_product for these inputs are not finite"):
+        run_batch(model, jobs[2:3], Metrics())
+
+
+def test_queries_the_merge_scales_past_float32_are_answered_as_alone(reference):
+    """A d of 2 merged with a d of 8 has its queries scaled by 2 (service.core.merge.merge): 3e38 becomes
+    infinite there, though its own scores (6e35) are finite. Its answer is the one it gets alone."""
+    rng = np.random.default_rng(7)
+    large = json.dumps({"model": "dot_product", "queries": [[[3e38, 3e38]]], "keys": [[[1e-3, 1e-3], [2e-3, 1e-3]]],
+                        "values": [[[1.0, 2.0], [3.0, 4.0]]]}).encode()
+    other = make_body("dot_product", rng, 2, 3, 2, "1d", d=8, v=2)
+    jobs = [Job(reference.decode(b), deadline=float("inf"), encode=encode_attend) for b in (large, other)]
+    model = jobs[0].request.model
+    assert not finite(model.run(merge(model, jobs))["outputs"][0])  # in the merged run: NaN
+    results, _ = run_batch(model, jobs, Metrics())
+    assert_same(results[0], reference.attend(large))
+    assert orjson.loads(results[0])["outputs"] == [[[3.0, 4.0]]]
+    assert_same(results[1], reference.attend(other))
 
 
 def _torch(x, dtype=torch.float32):

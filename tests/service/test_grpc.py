@@ -272,6 +272,11 @@ def test_errors_are_status_codes_naming_the_input(server):
         request = _typed_request("additive", tensors, outputs=["nope"])
         code, details = _error(lambda: stub.ModelInfer(request))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("model additive has no output 'nope'")
+        big = np.full((1, 2, 2), 1e38, np.float32)  # finite, but q·k = 2e76 is not: NaN, refused
+        request = _raw_request("dot_product", {"queries": big, "keys": big, "values": np.ones((1, 2, 3), np.float32)})
+        code, details = _error(lambda: stub.ModelInfer(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(
+            "the outputs of dot_product for these inputs are not finite"), details
         code, details = _error(lambda: stub.ModelInfer(_raw_request("nope", tensors)))
         assert code == grpc.StatusCode.NOT_FOUND and details.startswith("unknown model 'nope'; available: additive")
         request = _raw_request("additive", tensors)

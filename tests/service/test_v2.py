@@ -308,6 +308,24 @@ def test_bad_protocol_input(http, case):
     assert words in response.json()["error"], response.json()["error"]
 
 
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_outputs_that_overflow_float32_are_refused(http, binary):
+    """Finite queries and keys whose scores are not (q·k = 2e76): a 422 that says so, not NaN."""
+    big, values = np.full((1, 2, 2), 1e38, np.float32), np.ones((1, 2, 3), np.float32)
+    arrays = {"queries": big, "keys": big, "values": values}
+    if binary:
+        body, headers = _binary([(name, "FP32", list(a.shape), a.tobytes(), None) for name, a in arrays.items()])
+    else:
+        inputs = [{"name": name, "datatype": "FP32", "shape": list(a.shape), "data": a.ravel().tolist()}
+                  for name, a in arrays.items()]
+        body, headers = json.dumps({"inputs": inputs}).encode(), {}
+    response = http.post("/v2/models/dot_product/infer", content=body, headers=headers)
+    assert response.status_code == 422, response.text
+    assert response.json() == {"error": "the outputs of dot_product for these inputs are not finite: they are within "
+                                        "float32's range (|x| <= 3.4e38), but a score or a projection of them is not; "
+                                        "send smaller numbers"}
+
+
 def test_gzip_bomb_is_bounded(repository):
     """Compressed bodies are refused as soon as they inflate past ATTEND_MAX_INFLATE_RATIO times their
     bytes, and are inflated at most to ATTEND_MAX_BODY_BYTES."""
