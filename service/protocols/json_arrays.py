@@ -28,9 +28,6 @@ from service.core.request import MAX_DIMS, finite
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
 warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
                         module=r"service\.(protocols\.(json_arrays|layouts)|core\.request)")
-# The small bodies' finiteness check (a dot product with zeros: NaN as soon as one number is not finite).
-warnings.filterwarnings("ignore", message="invalid value encountered in dot", category=RuntimeWarning,
-                        module=r"service\.protocols\.json_arrays")
 
 
 _NUMBERS = frozenset({int, float})
@@ -194,18 +191,6 @@ SMALL_BODY = 64 * 1024
 _NOT_STRUCTURE = b"0123456789.eE+- \t\n\r"  # what numbers and blanks are made of
 
 
-_ZEROS = np.zeros(SMALL_BODY // 2, dtype=np.float32)  # as many as a small body has numbers ("0,": 2 bytes each)
-_ZEROS.flags.writeable = False
-
-
-def finite_small(flat: np.ndarray) -> bool:
-    """Every number of a small body's float32 array finite: x * 0 is 0 for those, NaN for inf (beyond
-    float32) and NaN. One NumPy call where isfinite takes two and a Python wrapper."""
-    if flat.size > _ZEROS.size:  # (where SMALL_BODY was raised)
-        return finite(flat)
-    return flat.dot(_ZEROS[:flat.size]) == 0
-
-
 def _first_path_shape(node: Any) -> tuple[int, ...] | None:
     """The shape along the first element of every level (rows not checked), or None if empty."""
     shape = []
@@ -295,7 +280,7 @@ def small_body_arrays(layout: bytes, data: dict[str, Any], fields: list[str]
     if not _structure_matches(layout, data, shapes):
         return None
     flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
-    if not finite_small(flat):
+    if not finite(flat):
         return None
     arrays, start = {}, 0
     for (field, shape), size in zip(shapes.items(), sizes, strict=False):  # valid_lens, where sent, is last

@@ -10,9 +10,8 @@ import numpy as np
 import simdjson
 
 from service.core.errors import ServiceError
-from service.core.request import Request, RequestLimits, check_valid_lens
+from service.core.request import Request, RequestLimits, check_valid_lens, finite
 from service.core.runtime import LoadedModel
-from service.protocols.json_arrays import finite_small
 
 # Clients send the same layout again and again: the same keys, model and shapes, other numbers.
 # Every check of a small body but those of its numbers depends only on its keys and its `skeleton`
@@ -52,7 +51,7 @@ class Plan:
         except (TypeError, ValueError, RuntimeError):
             return None
         flat = np.frombuffer(b"".join(buffers), dtype=np.float64).astype(np.float32)
-        if not finite_small(flat):
+        if not finite(flat):
             return None
         feed = {name: flat[start:end].reshape(shape) for name, shape, start, end in self.arrays}
         if self.takes_lens:

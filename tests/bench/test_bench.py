@@ -436,7 +436,7 @@ def test_where_tells_each_stage_of_a_sample():
         "JSON parse": [*decode, "parse (/x/service/protocols/json_arrays.py:160)",
                        "_document (/x/service/protocols/json_arrays.py:148)"],
         "arrays and checks": [*decode, "decode (/x/service/protocols/attend.py:491)",
-                              "finite_small (/x/service/protocols/json_arrays.py:259)"],
+                              "finite (/x/service/core/request.py:60)"],
         "JSON encode": [*batch, "encode_answer (/x/service/protocols/attend.py:648)",
                         "encode_attend (/x/service/protocols/attend.py:641)"],
         "batching": [*batch, "merge (/x/service/core/merge.py:20)"],
