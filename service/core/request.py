@@ -134,7 +134,7 @@ def check_valid_lens(lens: np.ndarray | None, batch: int, n_q: int, n_k: int) ->
                              expected=f"integers from 0 to n_k = {n_k}", received=bad)
     if low < 0 or high > n_k:
         bad = low if low < 0 else high
-        bad = int(bad) if abs(bad) < 2**63 else float(bad)
+        bad = int(bad) if -2**63 <= bad < 2**63 else float(bad)  # int64 prints whole, a larger number as JSON read it
         raise InvalidRequest(f"valid_lens must be between 0 and n_k = {n_k}, got {bad}", field=field,
                              expected=f"0 <= valid_len <= {n_k}", received=bad)
     out = np.empty((batch, n_q), dtype=np.int64)
