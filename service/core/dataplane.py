@@ -441,8 +441,8 @@ def _give_memory_back(registry: Registry) -> None:
 
 async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> None:
     """After requests, once a whole period passed with none arriving and none in flight, give freed
-    heap memory back to the system (glibc keeps it otherwise: 400-800 MB stayed resident after a
-    burst of large bodies). Not under steady load: the next requests would fault the pages in again."""
+    heap memory back to the system (glibc keeps it otherwise, resident after a burst of large bodies:
+    docs/reliability.md). Not under steady load: the next requests would fault the pages in again."""
     seen = 0
     while True:
         await asyncio.sleep(every_s)

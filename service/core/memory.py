@@ -24,7 +24,7 @@ def release_memory_eagerly() -> None:
         libc.mallopt(-1, 32 * 1024 * 1024)  # M_TRIM_THRESHOLD: the rest waits for the idle trim
         # M_ARENA_MAX: one heap for every thread. A thread that found it locked got a heap of its own, and
         # malloc_trim does not give back the free end of those (only a free() past M_TRIM_THRESHOLD does):
-        # after large gRPC messages (grpc's threads) 60-80 MiB stayed resident (docs/reliability.md).
+        # after large gRPC messages, grpc's threads kept theirs resident (docs/reliability.md).
         libc.mallopt(-8, 1)
 
 

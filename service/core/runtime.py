@@ -173,9 +173,8 @@ class LoadedModel:
         """Every output of the graph that runs a batch of this size (`elements`: its inputs' and outputs', from
         the feed where not given): `outputs`, `attention_weights` unless `weights` is False, `P` for the
         positional encoding. Thread-safe: ORT allows concurrent Run on one session (and a RunOptions is
-        only read by it). ONNX Runtime's public API: with a RunOptions given (ORT makes one a call
-        otherwise) it costs the book's toy request ~1 us more than the private C++ session's run did, IO
-        binding ~5 us more (`python bench/ort_call.py`, docs/benchmarks.md)."""
+        only read by it). ONNX Runtime's public API, with a RunOptions given (ORT makes one a call
+        otherwise): `python bench/ort_call.py` weighs it against the private session's run and IO binding."""
         return self.graph_for(weights, self.elements_of(feed) if elements is None else elements).run(feed, weights)
 
     def graph_for(self, weights: bool, elements: int) -> Graph:
