@@ -56,7 +56,7 @@ warnings.filterwarnings("ignore", message="invalid value encountered in dot", ca
 def finite(array: np.ndarray) -> bool:
     """Every number of a float32 array finite (numbers beyond float32's range were cast to inf): x * 0 is 0
     for those, NaN for inf and NaN, so one dot product with zeros, where isfinite takes two calls and a
-    Python wrapper (a few microseconds a call on the request path)."""
+    Python wrapper (docs/archive.md weighs them)."""
     flat = array.reshape(-1)
     if flat.size > _ZEROS.size:
         return bool(np.isfinite(flat).all())

@@ -163,7 +163,7 @@ def test_merged_weights_are_exactly_zero_on_padding(reference):
 
 
 def _overflowing(body: bytes) -> bytes:
-    """`body` (dot_product) with queries and keys of 1e38: finite float32, but q·k is 1e76, and the answer NaN."""
+    """`body` (dot_product) with queries and keys of 1e38: finite float32, but q·k is past 1e76, and the answer NaN."""
     data = json.loads(body)
     data["queries"] = np.full(np.shape(data["queries"]), 1e38).tolist()
     data["keys"] = np.full(np.shape(data["keys"]), 1e38).tolist()
