@@ -564,10 +564,15 @@ def test_sigterm_drains_a_call_in_flight(repository):
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
                          ATTEND_MAX_CONNECTIONS="1") as (url, proc):
-        client, inputs, outputs, alone, q = _slow_call(port)
+        client, inputs, outputs, _, q = _slow_call(port)
         with ThreadPoolExecutor(1) as pool:
             call = pool.submit(client.infer, "dot_product", inputs, outputs=outputs)
-            time.sleep(alone / 3)
+            # Until the call is admitted (counted under way from its start): a guessed sleep of alone / 3 now
+            # and then ended before its 9 MB message began, on a busy machine, and the second call went first.
+            waiting = time.monotonic() + 10
+            while _in_flight(url) < 1 and not call.done() and time.monotonic() < waiting:
+                time.sleep(0.01)
+            assert not call.done(), "the slow call ended before it was seen admitted"
             with pytest.raises(InferenceServerException) as error:
                 client.infer("dot_product", inputs, outputs=outputs)
             # As HTTP's 503 past ATTEND_MAX_CONNECTIONS: UNAVAILABLE, to retry (service.grpc.guard).
