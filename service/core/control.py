@@ -5,14 +5,24 @@ A load reads config.json and the model, checks it exactly as start-up does (sha2
 warms it up, in a thread, beside the versions serving; then `Registry.install` swaps it in with one
 assignment. Requests already queued or running on the old version finish on it (its batcher drains,
 then stops). A load that fails leaves what was serving as it was, and says why.
+
+An unload holds until a load: SIGHUP and the poll skip the models unloaded (they brought them back). With
+ATTEND_WORKERS > 1 a load or unload reaches one worker; it writes the names unloaded to a file the workers
+share and sends SIGHUP to the supervisor, which passes it to every worker: each unloads those and loads
+what changed, as the one that was called did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
+import json
 import logging
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 
@@ -51,12 +61,16 @@ class ModelControl:
     scheduler: Scheduler
     keep_versions: int = 1  # how many versions of a model stay loaded
     drain_s: float = 30.0  # how long a retired version may take to finish what it holds
+    shared: Path | None = None  # with workers: the file of the names unloaded, which every worker follows
+    notify: Callable[[], None] = lambda: None  # with workers: the others do the same (SIGHUP to the supervisor)
+    unloaded: set[str] = field(default_factory=set)  # unloaded here, and not loaded since
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()  # one load or unload at a time: each sees the last one's result
 
-    async def load(self, name: str) -> LoadedModel:
-        """Load the newest version of `name` (a model already served, or a new one) and serve it."""
+    async def load(self, name: str, tell: bool = True) -> LoadedModel:
+        """Load the newest version of `name` (a model already served, or a new one) and serve it; `tell`: and
+        the other workers (not for SIGHUP and the poll, which reach each)."""
         loader = self.registry.loader
         if loader is None:
             raise LoadFailed("this service has no model repository to load from")
@@ -65,7 +79,9 @@ class ModelControl:
             newest = loader.newest(name)
             current = self.registry.get(name)
             if current is not None and current.config.version == newest:
-                return current  # already serving it: nothing to swap
+                # Already serving it: nothing to swap, unless another worker unloaded it since.
+                self._share(discard=name, tell=False)
+                return current
             try:
                 model = await anyio.to_thread.run_sync(loader.load, name)
             except StartupError as e:
@@ -77,6 +93,7 @@ class ModelControl:
             self.scheduler.batcher_for(model)
             log.info("model %s: version %d serving%s", name, model.config.version,
                      f"; version(s) {', '.join(str(m.config.version) for m in retired)} retired" if retired else "")
+            self._share(discard=name, tell=tell)
         if retired:
             gc.unfreeze()  # (service.http.server froze what was there at start: the retired snapshot too)
         for old in retired:
@@ -84,21 +101,55 @@ class ModelControl:
         return model
 
     async def unload(self, name: str) -> int:
-        """Stop serving `name`: new requests for it get 404 at once; what its queue holds finishes
-        first. Returns the number of versions unloaded."""
+        """Stop serving `name` until it is loaded again: new requests for it get 404 at once; what its
+        queue holds finishes first. Returns the number of versions unloaded."""
         _check_name(name)
         async with self._lock:
             if not self.registry.loaded_versions(name):
                 raise ModelNotFound(f"model {excerpt(name)} is not loaded")
             retired = self.registry.remove(name)
+            self._share(add=name)
+        return await self._retire(name, retired)
+
+    async def _retire(self, name: str, retired: list[LoadedModel]) -> int:
         gc.unfreeze()
         drained = await asyncio.gather(*(self.scheduler.retire(m, self.drain_s) for m in retired))
         log.info("model %s unloaded%s", name, "" if all(drained) else " (its queue did not drain in time)")
         return len(retired)
 
+    def _share(self, add: str = "", discard: str = "", tell: bool = True) -> None:
+        """The names unloaded, here and (with workers) in the file they share; `tell`: the other workers follow
+        (a load's new version too), else only where the names changed."""
+        if self.shared is None:
+            self.unloaded = (self.unloaded | {add}) - {discard, ""}
+            return
+        with open(self.shared.with_suffix(".lock"), "a") as lock:  # two workers called at once: both kept
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            before = _read_names(self.shared)
+            names = (before | {add}) - {discard, ""}
+            if names != before:
+                temporary = self.shared.with_suffix(".tmp")
+                temporary.write_text(json.dumps(sorted(names)))
+                os.replace(temporary, self.shared)  # a reader sees the old list or the new, whole
+        self.unloaded = names
+        if tell or names != before:
+            self.notify()
+
+    async def follow(self) -> None:
+        """With workers: unload here what was unloaded through another worker (the shared file's names)."""
+        if self.shared is None:
+            return
+        self.unloaded = _read_names(self.shared)
+        for name in sorted(self.unloaded):
+            async with self._lock:
+                retired = self.registry.remove(name) if self.registry.loaded_versions(name) else []
+            if retired:
+                await self._retire(name, retired)
+
     async def reload_changed(self) -> list[str]:
         """Load every model of the repository whose newest version is not the one served (new models
         included); a failure is logged and leaves that model as it was. Returns the models loaded."""
+        await self.follow()
         loader = self.registry.loader
         if loader is None or not loader.repository.is_dir():
             return []
@@ -107,6 +158,8 @@ class ModelControl:
         loaded = []
         for model_dir in list_models(loader.repository):
             name = model_dir.name
+            if name in self.unloaded:
+                continue  # until it is loaded again
             newest = loader.newest(name)
             current = self.registry.get(name)
             if newest is None or (current is not None and current.config.version == newest):
@@ -114,7 +167,7 @@ class ModelControl:
             if (name, newest) in self.registry.failed:
                 continue  # it failed already; a new export (a new version) will be tried
             try:
-                await self.load(name)
+                await self.load(name, tell=False)
                 loaded.append(name)
             except ServiceError:
                 pass  # logged by load
@@ -128,3 +181,10 @@ class ModelControl:
                 await self.reload_changed()
             except Exception:
                 log.exception("polling the model repository failed")
+
+
+def _read_names(path: Path) -> set[str]:
+    try:
+        return set(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return set()

@@ -1,7 +1,8 @@
 """Models that change while serving, against the real process under steady concurrent load (every
 response checked): a new version loads with zero failed requests, every answer is the old or the new
 version's and none is old once the load has returned; a broken version fails with its reason while
-the old one keeps serving; unload finishes what is queued, then 404; SIGHUP does what load does."""
+the old one keeps serving; unload finishes what is queued, then 404, and holds past SIGHUP and the poll;
+SIGHUP does what load does."""
 
 import json
 import re
@@ -190,6 +191,23 @@ def test_sighup_loads_what_changed_under_load(repo):
         proc.send_signal(signal.SIGHUP)  # nothing changed: nothing happens
         time.sleep(0.5)
         assert proc.poll() is None and _version(url) == 2
+
+
+def test_an_unload_holds_past_the_poll_and_sighup_until_a_load(repo):
+    """The poll and SIGHUP load what changed, not what was unloaded (the poll brought it back within its period)."""
+    with running_service(repo, ATTEND_MODEL_CONTROL="true", ATTEND_POLL_S="0.2") as (url, proc):
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/unload", timeout=60).status_code == 200
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)  # five polls
+        assert httpx.get(f"{url}/models/multi_head").json()["status"] == "not loaded"
+        assert httpx.post(f"{url}/attend", content=BODY, headers=JSON).status_code == 404
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/load", timeout=60).status_code == 200
+        assert httpx.post(f"{url}/attend", content=BODY, headers=JSON).status_code == 200
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0  # and the poll
+        deadline = time.monotonic() + 30  # loads a new version again
+        while _version(url) != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _version(url) == 2
 
 
 def test_older_versions_stay_addressable_where_kept(repo):

@@ -1,8 +1,11 @@
 """ATTEND_WORKERS=2 is not second-class: /metrics counts every worker, the access log is there, SIGHUP
-reaches the workers, and SIGTERM under load drops nothing (readiness off at the signal)."""
+reaches the workers, model control reaches them all, and SIGTERM under load drops nothing (readiness off at the
+signal)."""
 
 import json
+import os
 import re
+import shutil
 import signal
 import socket
 import threading
@@ -151,3 +154,65 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
     access = re.findall(r"POST /attend 200 ", log)
     assert len(access) >= n + 1 + 12, len(access)  # the access log of both workers
     assert "Traceback" not in log
+
+
+def answers_of_each_worker(url: str, body: str, rounds: int = 12) -> dict[int, set]:
+    """What each worker answers `body` with, on connections of their own: {pid: {(status, version), ...}}.
+    Each connection then sends a positional-encoding request, 200 wherever it goes: the worker whose
+    attend_worker_served (200s only) went up by 2, or by 1 after a refusal, served both."""
+    answers: dict[int, set] = {}
+    other = json.dumps({"model": "positional_encoding", "queries": [[[0.0, 0.0]]]})
+    for _ in range(rounds):
+        before = served_by_worker(httpx.get(f"{url}/metrics").text)
+        with httpx.Client(base_url=url, timeout=60) as http:  # a new connection: whichever worker takes it
+            r = http.post("/attend", content=body, headers=JSON)
+            assert http.post("/attend", content=other, headers=JSON).status_code == 200
+        after = served_by_worker(httpx.get(f"{url}/metrics").text)
+        [pid] = [p for p in after if after[p] > before.get(p, 0)]
+        answers.setdefault(pid, set()).add((r.status_code, r.headers.get("x-model-version")))
+    return answers
+
+
+def test_model_control_reaches_every_worker(repository, tmp_path):
+    """A load or unload reaches one worker; it tells the supervisor, which tells them all (before, the other
+    worker served the old version for as long as it ran, and an unload left it serving)."""
+    from export.cli import main as export
+
+    repo = shutil.copytree(repository, tmp_path / "repo")
+    for name in ("additive", "dot_product", "masked_softmax", "self_attention"):
+        shutil.rmtree(repo / name)  # quicker to start
+    x = np.random.default_rng(0).normal(size=(1, 3, 100)).round(3).tolist()
+    body = json.dumps({"model": "multi_head", "queries": x, "keys": x, "values": x})
+
+    def settle(want: set) -> dict[int, set]:
+        deadline = time.monotonic() + 30  # each worker loads in its own time
+        while True:
+            answers = answers_of_each_worker(url, body)
+            if (len(answers) == 2 and all(a == want for a in answers.values())) or time.monotonic() > deadline:
+                return answers
+            time.sleep(0.2)
+
+    log_path = tmp_path / "service.log"
+    with running_service(repo, log_path=log_path, ATTEND_WORKERS="2", ATTEND_MODEL_CONTROL="true") as (url, proc):
+        answers = answers_of_each_worker(url, body)
+        assert len(answers) == 2 and all(a == {(200, "1")} for a in answers.values()), answers
+        assert export(["--repository", str(repo), "--kind", "multi_head", "--seed", "7"]) == 0
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/load", timeout=60).status_code == 200
+        answers = settle({(200, "2")})
+        assert len(answers) == 2 and all(a == {(200, "2")} for a in answers.values()), answers
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/unload", timeout=60).status_code == 200
+        answers = settle({(404, None)})
+        assert len(answers) == 2 and all(a == {(404, None)} for a in answers.values()), answers
+        proc.send_signal(signal.SIGHUP)  # loads what changed: not what was unloaded
+        time.sleep(1.0)
+        assert all(a == {(404, None)} for a in answers_of_each_worker(url, body).values())
+        # A worker that dies is replaced by one that loads the repository, less what was unloaded.
+        os.kill(min(answers), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (len(worker_pids(url)) == 2 and min(answers) not in worker_pids(url)):
+            time.sleep(0.2)
+        answers = answers_of_each_worker(url, body)
+        assert len(answers) == 2 and all(a == {(404, None)} for a in answers.values()), answers
+        assert httpx.post(f"{url}/v2/repository/models/multi_head/load", timeout=60).status_code == 200
+        answers = settle({(200, "2")})
+        assert len(answers) == 2 and all(a == {(200, "2")} for a in answers.values()), answers
