@@ -215,6 +215,22 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 class Worker(multiprocess.Process):
     """A worker of ATTEND_WORKERS: a GracefulServer (module level: the spawned process unpickles it)."""
 
+    # SIGHUP's default action ends a process: one that reached a worker still starting (a load through another
+    # worker, an operator's SIGHUP) ended it, and its replacement in turn. So the supervisor blocks it while
+    # it spawns a worker (the new process inherits the mask, from its first instruction), and the worker
+    # ignores it until its server handles it: what it loads at its start is the repository's newest.
+    def start(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # the supervisor's own, if one came
+
+    def target(self, sockets: list[socket.socket] | None = None) -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # one that came meanwhile: dropped
+        super().target(sockets)
+
     @property
     def server(self) -> uvicorn.Server:
         if self._server is None:
