@@ -138,7 +138,8 @@ class Settings(BaseSettings):
 
     # Models that change while serving (service.core.control).
     keep_versions: int = Field(1, ge=1, description="versions of a model that stay loaded")
-    poll_s: float = Field(0.0, ge=0, description="reload models whose newest version changed every N seconds; 0: off")
+    poll_s: float = Field(0.0, ge=0, description="reload models whose newest version changed (less those unloaded) "
+                          "every N seconds; 0: off")
 
     def api_key_list(self) -> tuple[bytes, ...]:
         return tuple(k.strip().encode() for k in self.api_keys.get_secret_value().split(",") if k.strip())
