@@ -63,7 +63,7 @@ class ModelControl:
     drain_s: float = 30.0  # how long a retired version may take to finish what it holds
     shared: Path | None = None  # with workers: the file of the names unloaded, which every worker follows
     notify: Callable[[], None] = lambda: None  # with workers: the others do the same (SIGHUP to the supervisor)
-    unloaded: set[str] = field(default_factory=set)  # unloaded here, and not loaded since
+    unloaded: set[str] = field(default_factory=set, init=False)  # unloaded here, and not loaded since
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()  # one load or unload at a time: each sees the last one's result

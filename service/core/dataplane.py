@@ -185,11 +185,14 @@ class Dataplane:
         # its polls: a shorter interval keeps health probes answered under a burst of large bodies
         # (tests/service/test_bounded.py; the figures: docs/archive.md).
         sys.setswitchinterval(_SWITCH_INTERVAL_S)
-        self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s)
-        if self.timings_folder is not None:  # a worker of several: model control reaches them all
-            self.control.shared = Path(self.timings_folder) / "unloaded.json"
-            self.control.notify = lambda: os.kill(os.getppid(), signal.SIGHUP)  # the supervisor passes it on
-            await self.control.follow()  # a worker started in place of one that died: as the others
+        # A worker of several: model control reaches them all, through a file they share and SIGHUP to the
+        # supervisor, which passes it on.
+        workers = {} if self.timings_folder is None else {
+            "shared": Path(self.timings_folder) / "unloaded.json",
+            "notify": lambda: os.kill(os.getppid(), signal.SIGHUP)}
+        self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s,
+                                    **workers)
+        await self.control.follow()  # a worker started in place of one that died: as the others
         if settings.poll_s:
             self.scheduler.spawn(self.control.poll(settings.poll_s))
         self.scheduler.spawn(_trim_memory_when_idle(self))
