@@ -25,6 +25,7 @@ framework.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -189,7 +190,7 @@ class Dataplane:
         # supervisor, which passes it on.
         workers = {} if self.timings_folder is None else {
             "shared": Path(self.timings_folder) / "unloaded.json",
-            "notify": lambda: os.kill(os.getppid(), signal.SIGHUP)}
+            "notify": functools.partial(tell_supervisor, os.getppid())}
         self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s,
                                     **workers)
         await self.control.follow()  # a worker started in place of one that died: as the others
@@ -446,6 +447,13 @@ def _give_memory_back(registry: Registry) -> None:
     except Exception as e:  # a model unloaded meanwhile, say: the next quiet period tries again
         log.warning("could not shrink ONNX Runtime's arena: %s", e)
     trim_memory()
+
+
+def tell_supervisor(supervisor: int) -> None:
+    """SIGHUP to a worker's supervisor, which passes it to every worker; none once it is gone: the worker's
+    parent is then another process (init; as root on a host, systemd, which SIGHUP makes reload)."""
+    if os.getppid() == supervisor:
+        os.kill(supervisor, signal.SIGHUP)
 
 
 async def _trim_memory_when_idle(dataplane: Dataplane, every_s: float = 2.0) -> None:

@@ -219,3 +219,19 @@ def test_model_control_reaches_every_worker(repository, tmp_path):
         assert httpx.post(f"{url}/v2/repository/models/multi_head/load", timeout=60).status_code == 200
         answers = settle({(200, "2")})
         assert len(answers) == 2 and all(a == {(200, "2")} for a in answers.values()), answers
+
+
+def test_a_worker_whose_supervisor_is_gone_sends_no_sighup():
+    """A worker whose supervisor died has another parent: model control must not signal what took its pid
+    (as a supervisor gone, this process's own pid, which is not its parent). Signalling the real supervisor:
+    test_model_control_reaches_every_worker."""
+    from service.core.dataplane import tell_supervisor
+
+    received = []
+    previous = signal.signal(signal.SIGHUP, lambda *_: received.append(1))
+    try:
+        tell_supervisor(os.getpid())
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert received == []
