@@ -5,7 +5,8 @@ The models are loaded before uvicorn starts, so a repository that cannot be serv
 process with a one-line reason and exit code 1, before any port is open.
 
 SIGHUP: every model whose newest version in the repository is not the one served is loaded and
-swapped in (service.core.control); what is in flight finishes on the version it started on.
+swapped in (service.core.control); what is in flight finishes on the version it started on. One while
+the models load is ignored, and the server does the same once it handles SIGHUP.
 
 gRPC (Triton's GRPCInferenceService, service.grpc.server) is served beside HTTP on ATTEND_GRPC_PORT
 (8001; 0: off), by the same process and core; with ATTEND_WORKERS > 1 by every worker, on one port.
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -72,6 +74,9 @@ def _settings_table(width: int = 48) -> str:
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> int:
     parser(prog).parse_args(argv)  # --help exits 0 here, anything else 2, before a setting is read
+    # SIGHUP's default action ends a process: one while it starts (an operator's, after an export) is ignored;
+    # the server catches up with the repository once it handles SIGHUP (GracefulServer.startup).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         settings = get_settings()
         tracing.read_environment()  # OTEL_*: a value the SDK would only warn about stops the start

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,15 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[str] = (), log_path: Path | None = None,
                     command: Sequence[str] | None = None, ready_path: str = "/health/ready",
-                    stop_timeout: float = 20.0, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+                    stop_timeout: float = 20.0, starting: Callable[[subprocess.Popen], object] | None = None,
+                    **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yield (base URL, process) once `ready_path` answers 200; stop the process afterwards.
 
     `prefix` goes before the command (e.g. `taskset -c 0`); `command` replaces `python -m service`,
     with `{port}` in it replaced by the port. The log goes to a file (`log_path`, or a temporary one),
     not a pipe nobody reads, which a long run would fill until the service blocks on it. A process still
     running `stop_timeout` seconds after the SIGTERM at the end is reported (`report_hung`) and killed.
+    `starting` is called with the process as soon as it is started, before it is ready.
     """
     port = free_port()
     # gRPC off unless asked for (ATTEND_GRPC_PORT=<a free port>): two services on one machine would both
@@ -78,6 +80,8 @@ def running_service(repository: Path, timeout: float = 60.0, prefix: Sequence[st
     argv = [a.replace("{port}", str(port)) for a in command] if command else [sys.executable, "-m", "service"]
     proc = subprocess.Popen([*prefix, *argv], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL, stderr=log,
                             text=True)
+    if starting is not None:
+        starting(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -241,10 +241,12 @@ class Dataplane:
         for transport in self.transports:
             transport.stop_accepting()
 
-    def reload_changed(self) -> None:
-        """SIGHUP: load every model whose newest version in the repository is not the one served."""
+    def reload_changed(self, signalled: bool = True) -> None:
+        """SIGHUP: load every model whose newest version in the repository is not the one served (and once
+        the server handles SIGHUP, `signalled` false: for what changed while it started)."""
         if self.ready:
-            log.info("SIGHUP: loading the models whose newest version changed")
+            if signalled:
+                log.info("SIGHUP: loading the models whose newest version changed")
             self.scheduler.spawn(self.control.reload_changed())
 
     def set_load_hint(self, requests_in_progress: Sized, busy_clients: Sized) -> None:

@@ -456,4 +456,7 @@ class Registry:
             models[model.name] = model
         if not models:
             raise StartupError(f"no model of {repository} can be served: " + "; ".join(broken.values()))
-        return cls(models, broken, loader)
+        registry = cls(models, broken, loader)
+        for name, reason in broken.items():  # tried: SIGHUP and the poll wait for a new version
+            registry.failed[(name, loader.newest(name) or 0)] = reason
+        return registry

@@ -80,6 +80,9 @@ class GracefulServer(uvicorn.Server):
             # its default action would end the process). Signals reach the main thread only.
             if threading.current_thread() is threading.main_thread():
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+                # Until now SIGHUP was ignored (service.__main__, Worker.target), and the repository read: catch
+                # up with what changed since (a version exported, a model unloaded through another worker).
+                self.app.state.dataplane.reload_changed(signalled=False)
             # What the process holds now (the modules, the models) lives as long as it does: out of the
             # garbage collector's sight, so that a full collection under load looks only at what came
             # after, and stays short (`python bench/gc_cost.py` times them). A model loaded or unloaded
@@ -218,7 +221,7 @@ class Worker(multiprocess.Process):
     # SIGHUP's default action ends a process: one that reached a worker still starting (a load through another
     # worker, an operator's SIGHUP) ended it, and its replacement in turn. So the supervisor blocks it while
     # it spawns a worker (the new process inherits the mask, from its first instruction), and the worker
-    # ignores it until its server handles it: what it loads at its start is the repository's newest.
+    # ignores it until its server handles it, then catches up with the repository (GracefulServer.startup).
     def start(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         try:

@@ -94,6 +94,14 @@ def test_skip_broken_models_serves_the_rest_and_says_why(repo_copy, settings):
         assert client.get("/health/ready").status_code == 503  # a model that should be served is not
 
 
+def test_a_model_skipped_at_start_is_unavailable_in_the_index_with_its_reason(repo_copy):
+    """Its version failed (SIGHUP, the poll and the start's catch-up wait for a new one), as a failed load's."""
+    _wrong_sha(repo_copy)
+    registry = Registry.load(repo_copy, "cpu", 1, skip_broken=True)
+    assert [(r["version"], r["state"]) for r in registry.index() if r["name"] == "additive"] == [("1", "UNAVAILABLE")]
+    assert "sha256 of" in registry.index()[0]["reason"]
+
+
 def test_nothing_servable_is_an_error_even_when_skipping(repo_copy):
     for name in ("additive", "dot_product", "masked_softmax", "multi_head", "positional_encoding", "self_attention"):
         (repo_copy / name / "1" / "model.onnx").write_bytes(b"x")

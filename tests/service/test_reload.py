@@ -5,6 +5,7 @@ the old one keeps serving; unload finishes what is queued, then 404, and holds p
 SIGHUP does what load does."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -262,3 +263,36 @@ def test_what_the_process_froze_at_start_is_collectable_again_once_a_model_is_re
         assert frozen(url) > 10_000
         assert httpx.post(f"{url}/v2/repository/models/multi_head/unload", headers=ADMIN, timeout=60).status_code == 200
         assert frozen(url) == 0
+
+
+def test_a_sighup_while_it_starts_neither_ends_it_nor_is_lost(repository, tmp_path):
+    """SIGHUP's default action ended a service still starting (an operator's SIGHUP after an export, during a
+    restart). It is ignored until the server handles it, which then loads what changed while it started."""
+    repo = shutil.copytree(repository, tmp_path / "repo")  # every model: a start long enough to export into
+    stash = shutil.copytree(repository / "additive", tmp_path / "stash" / "additive")
+    assert export(["--repository", str(stash.parent), "--kind", "additive", "--seed", "7"]) == 0
+    log_path = tmp_path / "service.log"
+
+    def meanwhile(proc) -> None:
+        # Once it loads the models (no process can ignore a signal before its own code runs), after the first,
+        # additive: its version 2 and SIGHUPs, while the other five load (a second or more).
+        while proc.poll() is None and "loaded model additive" not in log_path.read_text():
+            time.sleep(0.01)
+        os.replace(stash / "2", repo / "additive" / "2")
+        os.replace(stash / "config.json", repo / "additive" / "config.json")  # names the newest
+        for _ in range(3):
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.02)
+
+    def starting(proc) -> None:
+        threading.Thread(target=meanwhile, args=(proc,), daemon=True).start()
+
+    with running_service(repo, log_path=log_path, ATTEND_LOG_LEVEL="info", starting=starting) as (url, proc):
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/models/additive").json()["version"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/models/additive").json()["version"] == 2
+        assert proc.poll() is None
+    log = log_path.read_text()
+    assert "loaded model additive (additive, version 1" in log and "version 2" in log, log
+    assert "Traceback" not in log
