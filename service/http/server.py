@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import ctypes
 import gc
 import logging
@@ -17,7 +17,7 @@ import struct
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -326,26 +326,56 @@ def check_in_a_process(settings: Settings, timings_folder: str) -> None:
     before the workers start (StartupError: why it cannot be served). Loaded in the supervisor, the sessions
     would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing.
     It times the graphs (ATTEND_GRAPH_TIMING_S) with nothing else running, and leaves their times in
-    `timings_folder` for every worker to take (service.core.choice.SharedTimings)."""
-    try:  # the pool's queue, like the workers' shares (service.http.accept), takes POSIX semaphores
-        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    `timings_folder` for every worker to take (service.core.choice.SharedTimings). SIGTERM or SIGINT meanwhile
+    ends it too (the process pool's worker it ran in outlived the supervisor, waiting for work for good)."""
+    context = multiprocessing.get_context("spawn")
+    try:  # the workers' shares (service.http.accept) take POSIX semaphores: say so now
+        context.Lock()
     except OSError as e:
         raise StartupError(f"ATTEND_WORKERS={settings.workers} needs a writable /dev/shm (POSIX shared memory): "
                            f"{e.strerror}") from None
-    with pool:
-        failure = pool.submit(_load, settings, timings_folder).result()
+    receive, send = context.Pipe(duplex=False)
+    check = context.Process(target=_load, args=(settings, timings_folder, send), name="attend-check")
+    with _ended_by_stop_signals():
+        try:
+            check.start()
+            send.close()
+            failure = receive.recv()
+        except EOFError:  # it died without a word
+            check.join()
+            failure = f"the check of the repository ended with exit code {check.exitcode}"
+        finally:
+            if check.pid is not None:
+                if check.is_alive():
+                    check.terminate()
+                check.join()
     if failure:
         raise StartupError(failure)
 
 
-def _load(settings: Settings, timings_folder: str) -> str:
-    """Every model of the repository loaded, then let go: why not, or "" (check_in_a_process's process)."""
+@contextlib.contextmanager
+def _ended_by_stop_signals() -> Iterator[None]:
+    """SIGTERM or SIGINT raise SystemExit(128 + the signal) in the block, so that what it started is ended and the
+    start's folder removed on the way out (the signal's default action left both behind)."""
+    def stop(sig: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + sig)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _load(settings: Settings, timings_folder: str, send: Any) -> None:
+    """Every model of the repository loaded, then let go: sends why not, or "" (check_in_a_process's process)."""
     configure_logging(settings.log_level)
     try:
         load_registry(settings, timings_folder)
+        send.send("")
     except StartupError as e:
-        return str(e)
-    return ""
+        send.send(str(e))
 
 
 def raise_file_limit() -> None:

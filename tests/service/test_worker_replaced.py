@@ -250,3 +250,39 @@ def test_with_workers_and_no_writable_dev_shm_the_start_says_so_in_one_line(repo
     assert done.stderr.strip().endswith("cannot start: ATTEND_WORKERS=2 needs a writable /dev/shm (POSIX shared "
                                         "memory): Read-only file system"), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_with_workers_sigterm_during_the_starts_check_leaves_nothing_behind(repository, tmp_path):
+    """The start loads the repository in a process of its own first (check_in_a_process). SIGTERM meanwhile
+    left that process running for good, the models in its memory, and the start's folder on disk."""
+    import subprocess
+    import sys
+
+    from tests.server import children
+
+    env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_GRPC_PORT": "0",
+                        "ATTEND_DEVICE": "cpu", "ATTEND_PORT": str(free_port()), "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[2])
+
+    def the_check() -> list[int]:  # the spawned child (not multiprocessing's resource tracker)
+        found = []
+        for pid in children(proc.pid):
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+        return found
+
+    deadline = time.monotonic() + 60
+    while not (check := the_check()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(check) == 1 and list(tmp_path.glob("attend-timings-*")), "no check running"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{check[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{check[0]}").exists(), "the check outlived the start"
+    assert not list(tmp_path.glob("attend-timings-*"))
+    assert "serving on" not in stderr and "Traceback" not in stderr, stderr
