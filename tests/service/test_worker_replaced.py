@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -220,9 +222,6 @@ def choice_of(url: str, port: int, pid: int, pids: set[int], name: str) -> tuple
 def test_with_workers_a_repository_that_cannot_be_served_stops_the_start_in_one_line(tmp_path):
     """The supervisor loads the models in a process of its own (none of their sessions, on CUDA none of its
     context, stays in it); what fails there stops the start as it does without workers."""
-    import subprocess
-    import sys
-
     env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere"),
                         "ATTEND_GRPC_PORT": "0", "ATTEND_DEVICE": "cpu"}
     done = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=60)
@@ -235,10 +234,6 @@ def test_with_workers_a_repository_that_cannot_be_served_stops_the_start_in_one_
 def test_with_workers_and_no_writable_dev_shm_the_start_says_so_in_one_line(repository):
     """The workers' processes share semaphores and memory through /dev/shm: where it is read-only, the start
     stops with that said, not a traceback. Run in a mount namespace of its own over a read-only tmpfs."""
-    import shutil
-    import subprocess
-    import sys
-
     if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"]).returncode:
         pytest.skip("needs root and unshare(1) to mount a read-only /dev/shm in a namespace of its own")
     env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_GRPC_PORT": "0",
@@ -252,37 +247,46 @@ def test_with_workers_and_no_writable_dev_shm_the_start_says_so_in_one_line(repo
     assert "Traceback" not in done.stderr
 
 
-def test_with_workers_sigterm_during_the_starts_check_leaves_nothing_behind(repository, tmp_path):
-    """The start loads the repository in a process of its own first (check_in_a_process). SIGTERM meanwhile
-    left that process running for good, the models in its memory, and the start's folder on disk."""
-    import subprocess
-    import sys
-
+def _start_with_its_check(repository: Path, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """`python -m service` with two workers, once the start's check (its one spawned child) runs."""
     from tests.server import children
 
     env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_GRPC_PORT": "0",
                         "ATTEND_DEVICE": "cpu", "ATTEND_PORT": str(free_port()), "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).parents[2])
-
-    def the_check() -> list[int]:  # the spawned child (not multiprocessing's resource tracker)
-        found = []
-        for pid in children(proc.pid):
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        for pid in children(proc.pid):  # not multiprocessing's resource tracker
             with contextlib.suppress(OSError):
                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    found.append(pid)
-        return found
-
-    deadline = time.monotonic() + 60
-    while not (check := the_check()) and proc.poll() is None and time.monotonic() < deadline:
+                    assert list(tmp_path.glob("attend-timings-*"))
+                    return proc, pid
         time.sleep(0.01)
-    assert len(check) == 1 and list(tmp_path.glob("attend-timings-*")), "no check running"
+    proc.kill()
+    pytest.fail(f"no check running: {proc.communicate()[1][-2000:]}")
+
+
+def test_with_workers_sigterm_during_the_starts_check_leaves_nothing_behind(repository, tmp_path):
+    """The start loads the repository in a process of its own first (check_in_a_process). SIGTERM meanwhile
+    left that process running for good, the models in its memory, and the start's folder on disk."""
+    proc, check = _start_with_its_check(repository, tmp_path)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=30)
+    _, stderr = proc.communicate(timeout=30)  # (the check, had it lived on, would hold stderr open)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{check[0]}").exists() and time.monotonic() < deadline:
+    while Path(f"/proc/{check}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not Path(f"/proc/{check[0]}").exists(), "the check outlived the start"
+    assert not Path(f"/proc/{check}").exists(), "the check outlived the start"
     assert not list(tmp_path.glob("attend-timings-*"))
     assert "serving on" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_with_workers_a_check_that_dies_stops_the_start_in_one_line(repository, tmp_path):
+    """(Its process pool's BrokenProcessPool was a traceback.)"""
+    proc, check = _start_with_its_check(repository, tmp_path)
+    os.kill(check, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stderr
+    assert stderr.strip().endswith("cannot start: the check of the repository ended with exit code -9"), stderr
+    assert "Traceback" not in stderr and not list(tmp_path.glob("attend-timings-*"))
