@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 from prometheus_client import multiprocess as metrics_files
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import multiprocess
 
 from service.config import Settings
@@ -215,23 +216,20 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
             "timeout_keep_alive": settings.keep_alive_s, "limit_concurrency": None, "backlog": 4096}
 
 
+_SPAWN_BLOCKS = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}  # held while the supervisor starts a worker
+
+
 class Worker(multiprocess.Process):
     """A worker of ATTEND_WORKERS: a GracefulServer (module level: the spawned process unpickles it)."""
 
     # SIGHUP's default action ends a process: one that reached a worker still starting (a load through another
-    # worker, an operator's SIGHUP) ended it, and its replacement in turn. So the supervisor blocks it while
-    # it spawns a worker (the new process inherits the mask, from its first instruction), and the worker
+    # worker, an operator's SIGHUP) ended it, and its replacement in turn. So it comes blocked, as the
+    # supervisor spawns it (Supervisor._spawn; the mask is inherited from the first instruction), and the worker
     # ignores it until its server handles it, then catches up with the repository (GracefulServer.startup).
-    def start(self) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
-        try:
-            super().start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # the supervisor's own, if one came
-
     def target(self, sockets: list[socket.socket] | None = None) -> None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # one that came meanwhile: dropped
+        # One that came meanwhile: SIGHUP dropped; SIGTERM and SIGINT end it.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SPAWN_BLOCKS)
         super().target(sockets)
 
     @property
@@ -248,7 +246,8 @@ class Supervisor(multiprocess.Multiprocess):
     SIGTERM and SIGINT reach the workers at once, as SIGTERM: each turns readiness off, keeps
     accepting for a moment, then closes its copy; the supervisor closes its own copy at once.
     SIGHUP goes to the workers too: each loads what changed (uvicorn's default restarts them all). A
-    worker that dies is replaced (uvicorn's loop), logged, and its live gauges leave /metrics."""
+    worker that dies is replaced (as uvicorn's loop does; not once SIGTERM came), logged, and its live gauges
+    leave /metrics."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -269,22 +268,51 @@ class Supervisor(multiprocess.Multiprocess):
         # own thread, interrupted by this handler, can be holding.
         self.signal_queue.append(sig)
 
+    def init_processes(self) -> None:
+        for _ in range(self.processes_num):
+            self._spawn()
+
     def keep_subprocess_alive(self) -> None:
-        if self._stopping:  # workers that end after the signal are not replaced
-            return
-        before = list(self.processes)
-        super().keep_subprocess_alive()  # a dead worker (SIGKILL, the OOM killer, a crash) gets a new one
-        for old, new in zip(before, self.processes, strict=False):
-            if new is not old and old.pid is not None:
-                code = old.exitcode
-                log.error("worker %d ended (%s); worker %d started in its place", old.pid,
-                          f"signal {-code}" if code is not None and code < 0 else f"exit code {code}", new.pid)
-                # It left its live gauges' files: /metrics would go on counting its requests in flight and
-                # listing its pid. Its counters stay (the totals hold what it served).
-                metrics_files.mark_process_dead(old.pid)
-                shares = getattr(self.config, "attend_shares", None)
-                if shares is not None:  # nor the others count its connections while its replacement starts
-                    shares.release(old.pid)
+        """uvicorn's, but no worker is started once SIGTERM came. Its handler can come while uvicorn's waits on a
+        worker's answer (up to 5 s): a worker that then ended (SIGTERM while it started) was replaced, over the
+        sockets the handler had closed, and the supervisor ended in a traceback."""
+        for idx, old in enumerate(self.processes):
+            if self._stopping or self.should_exit.is_set():
+                return
+            if old.is_alive(timeout=self.config.timeout_worker_healthcheck):
+                continue
+            old.kill()  # hung, or gone
+            old.join()
+            if old.exitcode == STARTUP_FAILURE:  # the app cannot start: every replacement would fail alike
+                log.error("worker %d failed to start; stopping", old.pid)
+                self.should_exit.set()
+                return
+            new = self._spawn(idx)
+            if new is None:
+                return
+            code = old.exitcode
+            log.error("worker %d ended (%s); worker %d started in its place", old.pid,
+                      f"signal {-code}" if code is not None and code < 0 else f"exit code {code}", new.pid)
+            # It left its live gauges' files: /metrics would go on counting its requests in flight and
+            # listing its pid. Its counters stay (the totals hold what it served).
+            metrics_files.mark_process_dead(old.pid)
+            shares = getattr(self.config, "attend_shares", None)
+            if shares is not None:  # nor the others count its connections while its replacement starts
+                shares.release(old.pid)
+
+    def _spawn(self, idx: int | None = None) -> multiprocess.Process | None:
+        """A new worker, appended or at `idx`, unless SIGTERM came: the handler, held off meanwhile, then finds
+        it among the workers it stops. None once stopping. (SIGHUP held off: Worker.)"""
+        with _signals_blocked(*_SPAWN_BLOCKS):
+            if self._stopping:
+                return None
+            process = multiprocess.Process(self.config, self.sockets)
+            process.start()
+            if idx is None:
+                self.processes.append(process)
+            else:
+                self.processes[idx] = process
+        return process
 
     def _forward(self, sig: int) -> None:
         for process in self.processes:
@@ -340,17 +368,30 @@ def check_in_a_process(settings: Settings, timings_folder: str) -> None:
         try:
             check.start()
             send.close()
-            failure = receive.recv()
-        except EOFError:  # it died without a word
-            check.join()
-            failure = f"the check of the repository ended with exit code {check.exitcode}"
-        finally:
+            try:
+                failure = receive.recv()
+            except EOFError:  # it died without a word
+                failure = None
+            check.join()  # it ends once it has answered, its log written
+        except SystemExit:  # SIGTERM, SIGINT: it goes too
             if check.pid is not None:
-                if check.is_alive():
-                    check.terminate()
+                check.terminate()
                 check.join()
+            raise
+    if failure is None:
+        failure = f"the check of the repository ended with exit code {check.exitcode}"
     if failure:
         raise StartupError(failure)
+
+
+@contextlib.contextmanager
+def _signals_blocked(*signals: int) -> Iterator[None]:
+    """The signals held until the block ends (then delivered); a process started meanwhile inherits the mask."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @contextlib.contextmanager

@@ -247,8 +247,9 @@ def test_with_workers_and_no_writable_dev_shm_the_start_says_so_in_one_line(repo
     assert "Traceback" not in done.stderr
 
 
-def _start_with_its_check(repository: Path, tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    """`python -m service` with two workers, once the start's check (its one spawned child) runs."""
+def _start_until_spawned(repository: Path, tmp_path: Path, spawned: int) -> tuple[subprocess.Popen, list[int]]:
+    """`python -m service` with two workers, once it has `spawned` children of multiprocessing's spawn at once
+    (not its resource tracker): 1, the start's check; 2, the workers, just started."""
     from tests.server import children
 
     env = os.environ | {"ATTEND_WORKERS": "2", "ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_GRPC_PORT": "0",
@@ -257,20 +258,23 @@ def _start_with_its_check(repository: Path, tmp_path: Path) -> tuple[subprocess.
                             cwd=Path(__file__).parents[2])
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
-        for pid in children(proc.pid):  # not multiprocessing's resource tracker
+        found = []
+        for pid in children(proc.pid):
             with contextlib.suppress(OSError):
                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    assert list(tmp_path.glob("attend-timings-*"))
-                    return proc, pid
+                    found.append(pid)
+        if len(found) == spawned:
+            assert list(tmp_path.glob("attend-timings-*"))
+            return proc, found
         time.sleep(0.01)
     proc.kill()
-    pytest.fail(f"no check running: {proc.communicate()[1][-2000:]}")
+    pytest.fail(f"never {spawned} spawned: {proc.communicate()[1][-2000:]}")
 
 
 def test_with_workers_sigterm_during_the_starts_check_leaves_nothing_behind(repository, tmp_path):
     """The start loads the repository in a process of its own first (check_in_a_process). SIGTERM meanwhile
     left that process running for good, the models in its memory, and the start's folder on disk."""
-    proc, check = _start_with_its_check(repository, tmp_path)
+    proc, [check] = _start_until_spawned(repository, tmp_path, 1)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)  # (the check, had it lived on, would hold stderr open)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
@@ -284,9 +288,22 @@ def test_with_workers_sigterm_during_the_starts_check_leaves_nothing_behind(repo
 
 def test_with_workers_a_check_that_dies_stops_the_start_in_one_line(repository, tmp_path):
     """(Its process pool's BrokenProcessPool was a traceback.)"""
-    proc, check = _start_with_its_check(repository, tmp_path)
+    proc, [check] = _start_until_spawned(repository, tmp_path, 1)
     os.kill(check, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 1, stderr
     assert stderr.strip().endswith("cannot start: the check of the repository ended with exit code -9"), stderr
     assert "Traceback" not in stderr and not list(tmp_path.glob("attend-timings-*"))
+
+
+def test_with_workers_sigterm_while_they_start_stops_them_all_with_no_replacement(repository, tmp_path):
+    """SIGTERM's handler came while uvicorn's supervisor waited on a worker's answer; a worker that the signal
+    ended as it started was then replaced, over the listening socket the handler had closed: a traceback, exit 1."""
+    proc, workers = _start_until_spawned(repository, tmp_path, 2)
+    time.sleep(0.7)  # past the supervisor's first wait (0.5 s): it pings a worker still importing, and waits
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "in its place" not in stderr, stderr[-3000:]
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not list(tmp_path.glob("attend-timings-*")) and not list(tmp_path.glob("attend-metrics-*"))
