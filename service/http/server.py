@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import ctypes.util
 import gc
 import logging
 import multiprocessing
@@ -230,6 +231,7 @@ class Worker(multiprocess.Process):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         # One that came meanwhile: SIGHUP dropped; SIGTERM and SIGINT end it.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _SPAWN_BLOCKS)
+        _stopped_with_the_supervisor()
         super().target(sockets)
 
     @property
@@ -237,6 +239,19 @@ class Worker(multiprocess.Process):
         if self._server is None:
             self._server = GracefulServer(config=self.config)
         return self._server
+
+
+def _stopped_with_the_supervisor() -> None:
+    """A worker whose supervisor ended without stopping it (SIGKILL, a crash) served on for good, holding the
+    port a new start needs: on Linux the kernel now sends it SIGTERM then (PR_SET_PDEATHSIG), and it drains and
+    exits as it does on the supervisor's. One whose supervisor is gone already ends now."""
+    name = ctypes.util.find_library("c")
+    prctl = getattr(ctypes.CDLL(name), "prctl", None) if name else None
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None and os.getppid() != supervisor.pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor(multiprocess.Multiprocess):

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -307,3 +308,28 @@ def test_with_workers_sigterm_while_they_start_stops_them_all_with_no_replacemen
     assert "Traceback" not in stderr and "in its place" not in stderr, stderr[-3000:]
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
     assert not list(tmp_path.glob("attend-timings-*")) and not list(tmp_path.glob("attend-metrics-*"))
+
+
+def test_the_workers_stop_when_their_supervisor_is_killed(repository):
+    """SIGKILL to the supervisor (or a crash) left its workers serving for good, and the port taken: the next
+    start failed ("address already in use"). Each now gets SIGTERM from the kernel, drains and exits."""
+    from tests.server import proc_stat
+
+    def alive(pid: int) -> bool:
+        try:
+            return proc_stat(pid)[0] != "Z"
+        except OSError:
+            return False
+
+    with running_service(repository, ATTEND_WORKERS="2") as (url, proc):
+        workers = worker_pids(url)
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if alive(pid)]
+        with socket.socket() as free:  # the next start can listen there (as uvicorn binds: SO_REUSEADDR)
+            free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            free.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
