@@ -243,8 +243,9 @@ class Worker(multiprocess.Process):
 
 def _stopped_with_the_supervisor() -> None:
     """A worker whose supervisor ended without stopping it (SIGKILL, a crash) served on for good, holding the
-    port a new start needs: on Linux the kernel now sends it SIGTERM then (PR_SET_PDEATHSIG), and it drains and
-    exits as it does on the supervisor's. One whose supervisor is gone already ends now."""
+    port a new start needs; the start's check loaded on, for nothing. On Linux the kernel now sends either
+    SIGTERM then (PR_SET_PDEATHSIG): a worker drains and exits as on the supervisor's. One whose supervisor is
+    gone already ends now."""
     name = ctypes.util.find_library("c")
     prctl = getattr(ctypes.CDLL(name), "prctl", None) if name else None
     if prctl is not None:
@@ -426,6 +427,7 @@ def _ended_by_stop_signals() -> Iterator[None]:
 
 def _load(settings: Settings, timings_folder: str, send: Any) -> None:
     """Every model of the repository loaded, then let go: sends why not, or "" (check_in_a_process's process)."""
+    _stopped_with_the_supervisor()
     configure_logging(settings.log_level)
     try:
         load_registry(settings, timings_folder)
