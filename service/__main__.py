@@ -40,7 +40,14 @@ from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
 from service.grpc.server import check_port
 from service.http.app import create_app
-from service.http.server import GracefulServer, check_in_a_process, raise_file_limit, run_workers, uvicorn_options
+from service.http.server import (
+    GracefulServer,
+    check_in_a_process,
+    exit_on_stop_signals,
+    raise_file_limit,
+    run_workers,
+    uvicorn_options,
+)
 
 log = logging.getLogger("service")
 
@@ -89,12 +96,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     shared = tempfile.TemporaryDirectory(prefix="attend-timings-") if settings.workers > 1 else None
     with shared or contextlib.nullcontext() as timings_folder:
         try:
-            if settings.grpc_port:
-                check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
-            if settings.workers == 1:
-                registry = load_registry(settings)
-            else:
-                check_in_a_process(settings, timings_folder)  # then each worker loads its own sessions
+            with exit_on_stop_signals():  # the loads take seconds; then the server's own handlers take over
+                if settings.grpc_port:
+                    check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
+                if settings.workers == 1:
+                    registry = load_registry(settings)
+                else:
+                    check_in_a_process(settings, timings_folder)  # then each worker loads its own sessions
         except StartupError as e:
             log.critical("cannot start: %s", e)
             return 1

@@ -371,7 +371,7 @@ def check_in_a_process(settings: Settings, timings_folder: str) -> None:
     would leave it CUDA's context (hundreds of MB of GPU memory) for as long as it runs, serving nothing.
     It times the graphs (ATTEND_GRAPH_TIMING_S) with nothing else running, and leaves their times in
     `timings_folder` for every worker to take (service.core.choice.SharedTimings). SIGTERM or SIGINT meanwhile
-    ends it too (the process pool's worker it ran in outlived the supervisor, waiting for work for good)."""
+    (exit_on_stop_signals) ends it too: the process pool's worker it ran in outlived the supervisor for good."""
     context = multiprocessing.get_context("spawn")
     try:  # the workers' shares (service.http.accept) take POSIX semaphores: say so now
         context.Lock()
@@ -380,20 +380,19 @@ def check_in_a_process(settings: Settings, timings_folder: str) -> None:
                            f"{e.strerror}") from None
     receive, send = context.Pipe(duplex=False)
     check = context.Process(target=_load, args=(settings, timings_folder, send), name="attend-check")
-    with _ended_by_stop_signals():
+    try:
+        check.start()
+        send.close()
         try:
-            check.start()
-            send.close()
-            try:
-                failure = receive.recv()
-            except EOFError:  # it died without a word
-                failure = None
-            check.join()  # it ends once it has answered, its log written
-        except SystemExit:  # SIGTERM, SIGINT: it goes too
-            if check.pid is not None:
-                check.terminate()
-                check.join()
-            raise
+            failure = receive.recv()
+        except EOFError:  # it died without a word
+            failure = None
+        check.join()  # it ends once it has answered, its log written
+    except BaseException:  # SIGTERM, SIGINT (exit_on_stop_signals): it goes too
+        if check.pid is not None:
+            check.terminate()
+            check.join()
+        raise
     if failure is None:
         failure = f"the check of the repository ended with exit code {check.exitcode}"
     if failure:
@@ -411,9 +410,10 @@ def _signals_blocked(*signals: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _ended_by_stop_signals() -> Iterator[None]:
-    """SIGTERM or SIGINT raise SystemExit(128 + the signal) in the block, so that what it started is ended and the
-    start's folder removed on the way out (the signal's default action left both behind)."""
+def exit_on_stop_signals() -> Iterator[None]:
+    """SIGTERM or SIGINT raise SystemExit(128 + the signal) in the block (the start, before the server's handlers):
+    what it started ends and the start's folder goes on the way out (the signals' default action left both
+    behind, and as a container's PID 1 the process ignores them: `docker stop` waited its 10 s for SIGKILL)."""
     def stop(sig: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + sig)
 

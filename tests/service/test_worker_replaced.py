@@ -333,3 +333,31 @@ def test_the_workers_stop_when_their_supervisor_is_killed(repository):
         with socket.socket() as free:  # the next start can listen there (as uvicorn binds: SO_REUSEADDR)
             free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             free.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+
+
+def test_as_a_containers_pid_1_sigterm_while_the_models_load_stops_the_start(repository, tmp_path):
+    """A container's PID 1 ignores a signal it has no handler for: `docker stop` while the models loaded waited its
+    10 s for SIGKILL (and the service, the SIGTERM lost, started serving). Now the start exits at once."""
+    from tests.server import children
+
+    unshare = ["unshare", "--pid", "--kill-child=SIGKILL"]  # (--kill-child: the service goes with it, whatever happens)
+    if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run([*unshare, "true"]).returncode:
+        pytest.skip("needs root and unshare(1) to run the service as PID 1 of a PID namespace of its own")
+    log_path = tmp_path / "service.log"
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_GRPC_PORT": "0", "ATTEND_DEVICE": "cpu",
+                        "ATTEND_PORT": str(free_port())}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*unshare, sys.executable, "-m", "service"], env=env, stderr=log,
+                                cwd=Path(__file__).parents[2])
+    deadline = time.monotonic() + 60
+    while "loaded model additive" not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [service] = children(proc.pid)  # PID 1 inside
+    os.kill(service, signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("SIGTERM while the models loaded did not stop it: " + log_path.read_text()[-2000:])
+    assert code in (128 + signal.SIGTERM, 0), log_path.read_text()[-2000:]
+    assert "Traceback" not in log_path.read_text()
