@@ -111,7 +111,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
             app = with_grpc(create_app(settings, registry), settings)
             GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
         else:
-            run_workers(settings, functools.partial(create_worker_app, timings_folder))
+            if not run_workers(settings, functools.partial(create_worker_app, timings_folder)):
+                return 1
     return 0
 
 

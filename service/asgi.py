@@ -15,12 +15,21 @@ ATTEND_WORKERS do not), and so is gRPC (ATTEND_GRPC_PORT): `create_app` serves H
 
 from __future__ import annotations
 
+import logging
+import sys
+
+from uvicorn.config import STARTUP_FAILURE
+
 from service.config import Settings, get_settings
+from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
+from service.core.runtime import StartupError
 from service.grpc.server import GRPCServer
 from service.http.app import AttendApp
 from service.http.app import create_app as _create_app
+
+log = logging.getLogger("service")
 
 
 def create_app(timings_folder: str | None = None) -> AttendApp:
@@ -35,9 +44,20 @@ def create_app(timings_folder: str | None = None) -> AttendApp:
 def create_worker_app(timings_folder: str | None = None) -> AttendApp:
     """A worker of `python -m service` with ATTEND_WORKERS > 1: the app, and gRPC beside it on
     ATTEND_GRPC_PORT, the port shared with the other workers (SO_REUSEPORT). `timings_folder`: where the
-    start's check and the workers share the graphs' times (service.core.choice.SharedTimings)."""
-    app = create_app(timings_folder)
-    with_grpc(app, app.state.settings, shared_port=True)
+    start's check and the workers share the graphs' times (service.core.choice.SharedTimings).
+    The models load here, before the app: one that cannot be served (the repository changed since the start's
+    check; out of GPU memory) ends the worker with one line and uvicorn's STARTUP_FAILURE, which stops the
+    start (a failed lifespan logged a traceback, and the service exited 0)."""
+    settings = get_settings()
+    configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
+    release_memory_eagerly()
+    try:
+        registry = load_registry(settings, timings_folder)
+    except StartupError as e:
+        log.critical("cannot start: %s", e)
+        sys.exit(STARTUP_FAILURE)
+    app = _create_app(settings, registry, timings_folder)
+    with_grpc(app, settings, shared_port=True)
     return app
 
 

@@ -268,6 +268,7 @@ class Supervisor(multiprocess.Multiprocess):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._stopping = False
+        self.start_failed = False  # a worker could not start: the service stops, exit code 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -300,7 +301,8 @@ class Supervisor(multiprocess.Multiprocess):
             old.kill()  # hung, or gone
             old.join()
             if old.exitcode == STARTUP_FAILURE:  # the app cannot start: every replacement would fail alike
-                log.error("worker %d failed to start; stopping", old.pid)
+                log.critical("cannot start: worker %d could not (its lines above say why); stopping", old.pid)
+                self.start_failed = True
                 self.should_exit.set()
                 return
             new = self._spawn(idx)
@@ -344,10 +346,11 @@ class Supervisor(multiprocess.Multiprocess):
         self._forward(signal.SIGHUP)
 
 
-def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.asgi:create_app") -> None:
+def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.asgi:create_app") -> bool:
     """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app `factory` makes
     (its own sessions; an import string, or a callable the spawned workers unpickle), the metrics of all of
-    them on every /metrics (prometheus_client's multiprocess mode, in a folder of this run's own)."""
+    them on every /metrics (prometheus_client's multiprocess mode, in a folder of this run's own). False: a worker
+    could not start."""
     metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
 
@@ -357,7 +360,9 @@ def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.
     # uvicorn's supervisor makes its workers with its module's Process: ours, while it runs.
     process, multiprocess.Process = multiprocess.Process, Worker  # type: ignore[misc]
     try:
-        Supervisor(config, sockets=[config.bind_socket()]).run()
+        supervisor = Supervisor(config, sockets=[config.bind_socket()])
+        supervisor.run()
+        return not supervisor.start_failed
     finally:
         multiprocess.Process = process  # type: ignore[misc]
         for name in os.listdir(metrics_dir):

@@ -361,3 +361,16 @@ def test_as_a_containers_pid_1_sigterm_while_the_models_load_stops_the_start(rep
         pytest.fail("SIGTERM while the models loaded did not stop it: " + log_path.read_text()[-2000:])
     assert code in (128 + signal.SIGTERM, 0), log_path.read_text()[-2000:]
     assert "Traceback" not in log_path.read_text()
+
+
+def test_with_workers_a_worker_that_cannot_load_stops_the_start_in_one_line(repository, tmp_path):
+    """The repository changed between the start's check and the workers' loads (or a worker ran out of GPU
+    memory): a failed lifespan logged a traceback, and the service exited 0."""
+    repo = shutil.copytree(repository, tmp_path / "repo")
+    proc, _ = _start_until_spawned(repo, tmp_path, 2)  # the check passed; the workers import, then load
+    shutil.rmtree(repo)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert f"cannot start: model repository {repo} does not exist" in stderr, stderr[-3000:]
+    assert re.search(r"cannot start: worker \d+ could not \(its lines above say why\); stopping", stderr)
+    assert "Traceback" not in stderr and not list(tmp_path.glob("attend-timings-*"))
