@@ -35,10 +35,16 @@ log = logging.getLogger("service")
 def create_app(timings_folder: str | None = None) -> AttendApp:
     """The app, with the settings of the environment: a factory for `uvicorn --factory` (and any server
     that calls one; every worker process calls it again)."""
+    return _create_app(_new_process(), timings_folder=timings_folder)
+
+
+def _new_process() -> Settings:
+    """The environment's settings, this process's logs and memory set by them (a worker is a new process: the
+    parent's handlers are not there)."""
     settings = get_settings()
-    configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
+    configure_logging(settings.log_level)
     release_memory_eagerly()
-    return _create_app(settings, timings_folder=timings_folder)
+    return settings
 
 
 def create_worker_app(timings_folder: str | None = None) -> AttendApp:
@@ -48,9 +54,7 @@ def create_worker_app(timings_folder: str | None = None) -> AttendApp:
     The models load here, before the app: one that cannot be served (the repository changed since the start's
     check; out of GPU memory) ends the worker with one line and uvicorn's STARTUP_FAILURE, which stops the
     start (a failed lifespan logged a traceback, and the service exited 0)."""
-    settings = get_settings()
-    configure_logging(settings.log_level)  # a worker is a new process: the parent's handlers are not there
-    release_memory_eagerly()
+    settings = _new_process()
     try:
         registry = load_registry(settings, timings_folder)
     except StartupError as e:
