@@ -14,7 +14,8 @@
 #      loadtest profile (locust, bounded, headless) must end with no failure; then, from the host,
 #      Prometheus' HTTP API must show the attend target up, the rule groups of
 #      deploy/prometheus/alerts.yml loaded, and a query answering with the service's series; a
-#      graceful stop (exit code 0) and down
+#      graceful stop (exit code 0); started again, stopped while its models load (exit code 143, at once);
+#      down
 #
 # Every phase is timed. Whatever happens, the stack is taken down and dockerd stopped (trap).
 # The logs of the last run stay in $ATTEND_DOCKER_STATE/last-run/. Needs root.
@@ -347,6 +348,20 @@ api=$("$COMPOSE" ps -q api)
 exit_code=$(docker inspect --format '{{.State.ExitCode}}' "$api")
 echo "  api stopped with exit code $exit_code"
 [ "$exit_code" = 0 ] || { "$COMPOSE" logs --tail 20 api >&2; exit 1; }
+
+# ------------------------------------------------------------------------------ 11. stop while it starts
+# As the container's PID 1 the service ignored SIGTERM while its models loaded (the kernel drops a signal PID 1
+# has no handler for): docker stop waited its whole timeout, then SIGKILL (137). It exits at once now (143).
+phase "stop while the models load"
+since=$(date +%s)
+"$COMPOSE" start api >>"$LOGS/down.log" 2>&1
+timeout 120 sh -c "until docker logs --since $since $api 2>&1 | grep -q 'loaded model'; do sleep 0.1; done"
+started=$(date +%s)
+docker stop --time 30 "$api" >>"$LOGS/down.log"
+took=$(($(date +%s) - started))
+exit_code=$(docker inspect --format '{{.State.ExitCode}}' "$api")
+echo "  api stopped in ${took}s with exit code $exit_code"
+[ "$exit_code" = 143 ] && [ "$took" -lt 10 ] || { docker logs --since "$since" "$api" 2>&1 | tail -n 20 >&2; exit 1; }
 "$COMPOSE" "${ALL_PROFILES[@]}" down --volumes --remove-orphans --timeout 30 >>"$LOGS/down.log" 2>&1
 STACK_UP=0
 # Dangling images older than a week (the classic builder's stage caches of older builds).
