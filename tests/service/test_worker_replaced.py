@@ -322,7 +322,9 @@ def test_the_workers_stop_when_their_supervisor_is_killed(repository):
             return False
 
     with running_service(repository, ATTEND_WORKERS="2") as (url, proc):
-        workers = worker_pids(url)
+        deadline = time.monotonic() + 60  # ready once one worker is; the other may still be loading
+        while len(workers := worker_pids(url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert len(workers) == 2 and all(alive(pid) for pid in workers)
         proc.kill()
         proc.wait()
