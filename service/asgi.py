@@ -32,10 +32,10 @@ from service.http.app import create_app as _create_app
 log = logging.getLogger("service")
 
 
-def create_app(timings_folder: str | None = None) -> AttendApp:
+def create_app() -> AttendApp:
     """The app, with the settings of the environment: a factory for `uvicorn --factory` (and any server
     that calls one; every worker process calls it again)."""
-    return _create_app(_new_process(), timings_folder=timings_folder)
+    return _create_app(_new_process())
 
 
 def _new_process() -> Settings:

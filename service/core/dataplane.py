@@ -128,7 +128,7 @@ class Dataplane:
     def __init__(self, settings: CoreSettings, metrics: Metrics | None = None, registry: Registry | None = None,
                  timings_folder: str | None = None):
         self.settings = settings
-        self.timings_folder = timings_folder  # for load_registry
+        self.timings_folder = timings_folder  # the start's shared folder (workers): graphs' times, unloaded names
         self.metrics = metrics or Metrics()
         self.limits = settings.request_limits()
         self.api_keys = settings.api_key_list()

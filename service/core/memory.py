@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from typing import Any
 
 # Mapping buffers on their own costs page faults on every request that allocates them, so the
@@ -34,12 +35,19 @@ def trim_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _libc() -> Any:
+@functools.cache
+def libc() -> Any:
+    """The C library, or None where none is found (found once: find_library runs ldconfig, a process)."""
     name = ctypes.util.find_library("c")
     if not name:
         return None
     try:
-        libc = ctypes.CDLL(name)
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+        return ctypes.CDLL(name)
     except OSError:
         return None
+
+
+def _libc() -> Any:
+    """glibc's malloc controls, or None (another C library)."""
+    c = libc()
+    return c if hasattr(c, "mallopt") and hasattr(c, "malloc_trim") else None

@@ -112,8 +112,8 @@ def _offline_docs(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None,
                timings_folder: str | None = None) -> AttendApp:
-    """The app; its lifespan loads the repository (sharing the graphs' times in `timings_folder` with the other
-    processes of the start: service.core.dataplane.load_registry), or it serves `registry` if given."""
+    """The app; its lifespan loads the repository, or it serves `registry` if given. `timings_folder`: the
+    start's folder its processes share (the graphs' times, model control's names unloaded)."""
     settings = settings or get_settings()
     app = AttendApp(
         title="attend",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import logging
 import multiprocessing
@@ -30,6 +29,7 @@ from uvicorn.supervisors import multiprocess
 from service.config import Settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging, flush_logs
+from service.core.memory import libc
 from service.core.runtime import StartupError
 from service.http.accept import BalancedListener, Shares
 from service.http.guard import Guard
@@ -246,8 +246,7 @@ def _stopped_with_the_supervisor() -> None:
     port a new start needs; the start's check loaded on, for nothing. On Linux the kernel now sends either
     SIGTERM then (PR_SET_PDEATHSIG): a worker drains and exits as on the supervisor's. One whose supervisor is
     gone already ends now."""
-    name = ctypes.util.find_library("c")
-    prctl = getattr(ctypes.CDLL(name), "prctl", None) if name else None
+    prctl = getattr(libc(), "prctl", None)
     if prctl is not None:
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     supervisor = multiprocessing.parent_process()
