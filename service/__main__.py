@@ -1,8 +1,8 @@
 """`python -m service` (and `attend serve`): uvicorn with the settings of the environment (ATTEND_*).
 It takes no arguments but --help, which prints the settings and exits.
 
-The models are loaded before uvicorn starts, so a repository that cannot be served stops the
-process with a one-line reason and exit code 1, before any port is open.
+The ports are bound first and the models loaded before uvicorn starts: a port taken or a repository that
+cannot be served stops the process with a one-line reason and exit code 1, before a client is accepted.
 
 SIGHUP: every model whose newest version in the repository is not the one served is loaded and
 swapped in (service.core.control); what is in flight finishes on the version it started on. One while
@@ -38,10 +38,10 @@ from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
-from service.grpc.server import check_port
 from service.http.app import create_app
 from service.http.server import (
     GracefulServer,
+    bind_port,
     check_in_a_process,
     exit_on_stop_signals,
     raise_file_limit,
@@ -97,8 +97,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     with shared or contextlib.nullcontext() as timings_folder:
         try:
             with exit_on_stop_signals():  # the loads take seconds; then the server's own handlers take over
+                # A port taken stops the start now, in one line, not once the models are loaded. HTTP's socket is
+                # kept (bound, listened on once the server starts); gRPC's checked (grpcio binds its own).
+                listener = bind_port(settings.host, settings.port, "ATTEND_PORT", "HTTP")
                 if settings.grpc_port:
-                    check_port(settings.host, settings.grpc_port)  # taken: one line now, not a failed lifespan later
+                    bind_port(settings.host, settings.grpc_port, "ATTEND_GRPC_PORT", "gRPC",
+                              ", or 0 to turn gRPC off").close()
                 if settings.workers == 1:
                     registry = load_registry(settings)
                 else:
@@ -109,9 +113,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         raise_file_limit()
         if settings.workers == 1:
             app = with_grpc(create_app(settings, registry), settings)
-            GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run()
+            GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run([listener])
         else:
-            if not run_workers(settings, functools.partial(create_worker_app, timings_folder)):
+            if not run_workers(settings, functools.partial(create_worker_app, timings_folder), listener):
                 return 1
     return 0
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -319,21 +318,6 @@ for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():
 
 def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def check_port(host: str, port: int) -> None:
-    """StartupError unless (host, port) can be bound now: a clear reason before anything starts (grpc's
-    own bind reports only that it failed). Bound without SO_REUSEPORT, so that a port another process
-    holds with it (another service's gRPC) counts as taken too."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise StartupError(f"cannot serve gRPC on {grpc_address(host, port)} (ATTEND_GRPC_PORT): "
-                               f"{e.strerror or e}; set ATTEND_GRPC_PORT to a free port, or 0 to turn gRPC off"
-                               ) from None
 
 
 def _gone_early(dataplane: Dataplane, name: str, seconds: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import gc
 import logging
 import multiprocessing
@@ -345,8 +346,29 @@ class Supervisor(multiprocess.Multiprocess):
         self._forward(signal.SIGHUP)
 
 
-def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.asgi:create_app") -> bool:
-    """ATTEND_WORKERS processes behind one socket, each a GracefulServer with the app `factory` makes
+def bind_port(host: str, port: int, setting: str, what: str, fix: str = "") -> socket.socket:
+    """A socket bound to (host, port) and not listening yet (a client is refused until the server listens),
+    or StartupError in one line that names the setting to change. Bound without SO_REUSEPORT, so that a port
+    another process holds with it (another service's gRPC) counts as taken too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            setting, fix = "ATTEND_HOST", "ATTEND_HOST must be an address of this machine (0.0.0.0: all of them)"
+        else:
+            fix = f"set {setting} to a free port{fix}"
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise StartupError(f"cannot serve {what} on {address} ({setting}): {e.strerror or e}; {fix}") from None
+    sock.set_inheritable(True)  # uvicorn's workers take it (config.bind_socket does the same)
+    return sock
+
+
+def run_workers(settings: Settings, factory: str | Callable[[], Any], listener: socket.socket) -> bool:
+    """ATTEND_WORKERS processes behind `listener` (bind_port's), each a GracefulServer with the app `factory` makes
     (its own sessions; an import string, or a callable the spawned workers unpickle), the metrics of all of
     them on every /metrics (prometheus_client's multiprocess mode, in a folder of this run's own). False: a worker
     could not start."""
@@ -359,7 +381,7 @@ def run_workers(settings: Settings, factory: str | Callable[[], Any] = "service.
     # uvicorn's supervisor makes its workers with its module's Process: ours, while it runs.
     process, multiprocess.Process = multiprocess.Process, Worker  # type: ignore[misc]
     try:
-        supervisor = Supervisor(config, sockets=[config.bind_socket()])
+        supervisor = Supervisor(config, sockets=[listener])
         supervisor.run()
         return not supervisor.start_failed
     finally:

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from service.core.runtime import Registry, StartupError
 from service.http.app import create_app
-from tests.server import ROOT, running_service
+from tests.server import ROOT, free_port, running_service
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,31 @@ def test_the_process_exits_1_with_one_line(repo_copy):
     lines = [line for line in result.stderr.splitlines() if "CRITICAL" in line]
     assert len(lines) == 1 and "cannot start: model additive: sha256 of" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_taken_port_or_a_foreign_host_stops_the_start_before_the_models_load(repository, workers):
+    """Before, a taken HTTP port was found once every model had loaded (and "ready" logged): uvicorn's
+    traceback-free ERROR line, exit code 3; a host not of this machine was blamed on ATTEND_GRPC_PORT."""
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_WORKERS": workers,
+                        "ATTEND_GRPC_PORT": str(free_port())}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [({"ATTEND_PORT": str(port)},
+                  f"cannot serve HTTP on 127.0.0.1:{port} (ATTEND_PORT): Address already in use; "
+                  "set ATTEND_PORT to a free port"),
+                 ({"ATTEND_HOST": "192.0.2.1", "ATTEND_PORT": "8000"},  # TEST-NET-1: no machine's own address
+                  "cannot serve HTTP on 192.0.2.1:8000 "
+                  "(ATTEND_HOST): Cannot assign requested address; ATTEND_HOST must be an address of this machine")]
+        for extra, line in cases:
+            result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env | extra, capture_output=True,
+                                    text=True, timeout=60)
+            assert result.returncode == 1, result.stderr
+            critical = [text for text in result.stderr.splitlines() if "CRITICAL" in text]
+            assert len(critical) == 1 and f"cannot start: {line}" in critical[0], result.stderr
+            assert "loaded model" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_skip_broken_models_serves_the_rest_and_says_why(repo_copy, settings):
