@@ -67,6 +67,7 @@ class ModelControl:
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()  # one load or unload at a time: each sees the last one's result
+        self._repository_gone = False  # said once, not at every poll
 
     async def load(self, name: str, tell: bool = True) -> LoadedModel:
         """Load the newest version of `name` (a model already served, or a new one) and serve it; `tell`: and
@@ -151,8 +152,17 @@ class ModelControl:
         included); a failure is logged and leaves that model as it was. Returns the models loaded."""
         await self.follow()
         loader = self.registry.loader
-        if loader is None or not loader.repository.is_dir():
+        if loader is None:
             return []
+        if not loader.repository.is_dir():  # moved, unmounted: what is loaded serves on
+            if not self._repository_gone:
+                log.warning("the model repository %s is not there: the models loaded serve on, and nothing is "
+                            "reloaded until it is back", loader.repository)
+            self._repository_gone = True
+            return []
+        if self._repository_gone:
+            log.info("the model repository %s is back", loader.repository)
+            self._repository_gone = False
         from export.repository import list_models
 
         loaded = []

@@ -211,6 +211,28 @@ def test_an_unload_holds_past_the_poll_and_sighup_until_a_load(repo):
         assert _version(url) == 2
 
 
+def test_a_repository_gone_while_serving_is_said_once_and_followed_once_back(repo, tmp_path):
+    """Before, SIGHUP and the poll passed over a repository moved away (or unmounted) in silence."""
+    log = tmp_path / "service.log"
+    with running_service(repo, log_path=log, ATTEND_POLL_S="0.2", ATTEND_LOG_LEVEL="info") as (url, proc):
+        old = _outputs(url)
+        away = repo.rename(tmp_path / "away")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)  # five polls and a SIGHUP: one line
+        np.testing.assert_array_equal(_outputs(url), old)  # what is loaded serves on
+        assert httpx.get(f"{url}/health/ready").status_code == 200
+        assert export(["--repository", str(away), "--kind", "multi_head", "--seed", "7"]) == 0
+        away.rename(repo)
+        deadline = time.monotonic() + 30
+        while _version(url) != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _version(url) == 2
+    text = log.read_text()
+    gone = f"the model repository {repo} is not there: the models loaded serve on"
+    assert text.count(gone) == 1 and text.count(f"the model repository {repo} is back") == 1, text
+    assert text.index(gone) < text.index("is back") < text.index("loaded model multi_head (multi_head, version 2")
+
+
 def test_older_versions_stay_addressable_where_kept(repo):
     with running_service(repo, ATTEND_MODEL_CONTROL="true", ATTEND_KEEP_VERSIONS="2") as (url, _):
         old = _outputs(url)
