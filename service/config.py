@@ -155,7 +155,9 @@ class Settings(BaseSettings):
         return max(1, len(os.sched_getaffinity(0)) // self.workers)
 
     def resolved_intra_op_threads(self) -> int:
-        return self.intra_op_threads or self.cores()
+        """ATTEND_INTRA_OP_THREADS, at most the cores this process may use (past them every run waits on
+        threads that share a core: 256 on 2 cores took 24 s to start), or 0: the workers' share."""
+        return min(self.intra_op_threads, len(os.sched_getaffinity(0))) if self.intra_op_threads else self.cores()
 
     def resolved_inference_threads(self) -> int:
         return self.inference_threads or min(2, self.cores())

@@ -1,5 +1,6 @@
 """Models, health, metrics, OpenAPI; readiness; torch stays out of the service."""
 
+import os
 import subprocess
 import sys
 
@@ -116,6 +117,20 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
     s = Settings()
     assert (s.port, s.device, s.workers, s.model_repository) == (9123, "cpu", 2, tmp_path)
     assert s.resolved_intra_op_threads() >= 1
+
+
+def test_intra_op_threads_past_the_cores_are_the_cores_and_said_so(tmp_path):
+    """Before, ATTEND_INTRA_OP_THREADS=100000 made every session's pool that big: the start did not end in
+    25 s, and SIGTERM meanwhile went unanswered (the loads were in ONNX Runtime's code)."""
+    usable = len(os.sched_getaffinity(0))
+    assert Settings(intra_op_threads=10**5).resolved_intra_op_threads() == usable
+    assert Settings(intra_op_threads=1).resolved_intra_op_threads() == 1
+    env = {"PATH": os.environ["PATH"], "ATTEND_INTRA_OP_THREADS": "100000",
+           "ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere")}  # then it stops: the warning comes before
+    result = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert (f"WARNING service [-] ATTEND_INTRA_OP_THREADS=100000 is more than the {usable} cores this process may "
+            f"use: {usable} threads a run") in result.stderr, result.stderr
 
 
 def test_the_service_does_not_import_torch():
