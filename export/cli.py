@@ -13,8 +13,12 @@ the value the checkpoint implies.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,29 +116,44 @@ def hyperparameters(kind: str, args: argparse.Namespace,
     return hp
 
 
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM (`timeout`, `docker stop`, a Job's deadline) ends an export as Ctrl-C does, its hidden folder
+    removed on the way out (SIGTERM's default action skips that): exit code 143."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m export") -> int:
     args = _parser(prog).parse_args(argv)
     # Import late: --help stays fast and torch-free.
     from export.publish import export_model
 
-    try:
-        if args.kind is None:
-            if args.name or args.checkpoint or any(getattr(args, f) is not None for f in _ALL_FLAGS):
-                raise ExportError("--name, --checkpoint and size flags need --kind")
-            jobs = [(kind, kind, default_hyperparameters(kind), None) for kind in KINDS]
-        else:
-            implied = None
-            if args.checkpoint is not None:
-                from export.build import read_state_dict, sizes_from_state
+    with _sigterm_exits():
+        try:
+            if args.kind is None:
+                if args.name or args.checkpoint or any(getattr(args, f) is not None for f in _ALL_FLAGS):
+                    raise ExportError("--name, --checkpoint and size flags need --kind")
+                jobs = [(kind, kind, default_hyperparameters(kind), None) for kind in KINDS]
+            else:
+                implied = None
+                if args.checkpoint is not None:
+                    from export.build import read_state_dict, sizes_from_state
 
-                implied = sizes_from_state(args.kind, read_state_dict(args.checkpoint))
-            jobs = [(args.name or args.kind, args.kind, hyperparameters(args.kind, args, implied), args.checkpoint)]
-        for name, kind, hp, checkpoint in jobs:
-            start = time.perf_counter()
-            config = export_model(args.repository, name, kind, hp, checkpoint=checkpoint, seed=args.seed)
-            print(f"exported {name} ({kind}) version {config.version} -> "
-                  f"{args.repository / name / config.model_file}, validated in {time.perf_counter() - start:.1f}s")
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+                    implied = sizes_from_state(args.kind, read_state_dict(args.checkpoint))
+                jobs = [(args.name or args.kind, args.kind, hyperparameters(args.kind, args, implied), args.checkpoint)]
+            for name, kind, hp, checkpoint in jobs:
+                start = time.perf_counter()
+                config = export_model(args.repository, name, kind, hp, checkpoint=checkpoint, seed=args.seed)
+                print(f"exported {name} ({kind}) version {config.version} -> "
+                      f"{args.repository / name / config.model_file}, validated in {time.perf_counter() - start:.1f}s")
+        except ExportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0

@@ -1,8 +1,15 @@
 """The exporter: the repository it writes, ONNX Runtime against PyTorch on many shapes, the
 checkpoint path, and that nothing half-made is ever published."""
 
+import contextlib
+import fcntl
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -17,6 +24,7 @@ from export.repository import CONFIG_FILE, KINDS, default_hyperparameters, read_
 from export.validate import Case, run_case, sweep, validate
 from models import masked_softmax
 from tests import book
+from tests.server import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -372,6 +380,70 @@ def test_re_export_adds_a_version(tmp_path):
     config = read_config(repo / "dp")
     assert config.version == 2 and config.model_file == "2/model.onnx"
     assert _entries(repo / "dp") == ["1", "2", CONFIG_FILE]
+
+
+def _export_in_a_process(repo, kind="masked_softmax"):
+    return subprocess.Popen([sys.executable, "-m", "export", "--repository", str(repo), "--kind", kind], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _until(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _holding_lock(folder):
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_an_export_removes_the_folders_of_exports_gone_and_nothing_else(tmp_path):
+    """Before, the hidden folder of an export SIGKILLed (or out of memory) stayed in the repository for good."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    abandoned, running, theirs = repo / ".dp.k3_9xq0a", repo / ".dp.a0b1c2d3", repo / ".dp.zzzzzzzz"
+    for folder in (abandoned, running, theirs):
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(b"half")
+    (theirs / "notes.txt").write_text("not an export's")
+    (repo / ".snapshot.daily").mkdir()
+    with _holding_lock(running):  # as its exporter does while it runs
+        assert main(["--repository", str(repo), "--kind", "masked_softmax"]) == 0
+    assert _entries(repo) == [".dp.a0b1c2d3", ".dp.zzzzzzzz", ".snapshot.daily", "masked_softmax"]
+
+
+def test_sigterm_ends_an_export_with_its_folder_removed(tmp_path):
+    """Before: SIGTERM's default action (exit -15) left the hidden folder behind."""
+    repo = tmp_path / "repo"
+    export = _export_in_a_process(repo, "multi_head")
+    _until(lambda: repo.is_dir() and any(p.name.startswith(".multi_head.") for p in repo.iterdir()),
+           "the export never began")
+    export.send_signal(signal.SIGTERM)
+    assert export.wait(timeout=60) == 143, export.stderr.read()
+    assert _entries(repo) == [] and "Traceback" not in export.stderr.read()
+
+
+def test_an_export_publishes_with_the_repository_locked(tmp_path):
+    """Two exports at once each pick a version and write config.json under the lock. Before, two could pick
+    the same number, or leave config.json naming the older."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    export = _export_in_a_process(repo)
+    staged = lambda: [p for p in repo.iterdir() if p.name.startswith(".masked_softmax.")]  # noqa: E731
+    _until(lambda: staged(), "the export never began")
+    with _holding_lock(repo):
+        _until(lambda: not staged() or (staged()[0] / "model.onnx").exists(), "no model.onnx")
+        time.sleep(3.0)  # its validation: about 2 s on this machine
+        assert not (repo / "masked_softmax").exists() and export.poll() is None
+    assert export.wait(timeout=60) == 0, export.stderr.read()
+    assert read_config(repo / "masked_softmax").version == 1
 
 
 @pytest.mark.parametrize("argv, message", [
