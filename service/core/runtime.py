@@ -435,6 +435,8 @@ class Registry:
         and named in `broken`; a repository with nothing to serve is always an error. `graph_timing_s`:
         Loader's (the service's setting is ATTEND_GRAPH_TIMING_S; this default, the fixed choice).
         `timings_folder`: where the processes of one start share the graphs' times (Loader.shared)."""
+        if repository.exists() and not repository.is_dir():
+            raise StartupError(f"model repository {repository} is a file, not a folder (ATTEND_MODEL_REPOSITORY)")
         if not repository.is_dir():
             raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
         dirs = list_models(repository)

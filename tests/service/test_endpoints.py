@@ -107,6 +107,9 @@ def test_cuda_without_a_gpu_refuses_to_start(settings):
 def test_missing_repository_is_a_startup_error(tmp_path):
     with pytest.raises(StartupError, match="does not exist"):
         Registry.load(tmp_path / "nowhere", "cpu", 1)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(StartupError, match="is a file, not a folder"):  # before: "does not exist"
+        Registry.load(tmp_path / "a_file", "cpu", 1)
 
 
 def test_settings_come_from_the_environment(monkeypatch, tmp_path):
