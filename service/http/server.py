@@ -18,6 +18,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -263,12 +264,15 @@ class Supervisor(multiprocess.Multiprocess):
     accepting for a moment, then closes its copy; the supervisor closes its own copy at once.
     SIGHUP goes to the workers too: each loads what changed (uvicorn's default restarts them all). A
     worker that dies is replaced (as uvicorn's loop does; not once SIGTERM came), logged, and its live gauges
-    leave /metrics."""
+    leave /metrics. A replacement that cannot start is tried again, less and less often, while the others
+    serve; a worker of the start that cannot start stops the service, as does the last replacement failing."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._stopping = False
-        self.start_failed = False  # a worker could not start: the service stops, exit code 1
+        self.start_failed = False  # a worker of the start could not start: the service stops, exit code 1
+        self._replacing: dict[int, float] = {}  # slot -> seconds before its next try, while replacements fail
+        self._retry_at: dict[int, float] = {}  # slot -> when to try again
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -296,27 +300,52 @@ class Supervisor(multiprocess.Multiprocess):
         for idx, old in enumerate(self.processes):
             if self._stopping or self.should_exit.is_set():
                 return
+            if idx in self._retry_at:  # its replacement could not start: the next try, when its time comes
+                if time.monotonic() >= self._retry_at[idx]:
+                    new = self._spawn(idx)
+                    if new is None:
+                        return
+                    del self._retry_at[idx]
+                    log.info("worker %d started, to try again", new.pid)
+                continue
             if old.is_alive(timeout=self.config.timeout_worker_healthcheck):
                 continue
             old.kill()  # hung, or gone
             old.join()
-            if old.exitcode == STARTUP_FAILURE:  # the app cannot start: every replacement would fail alike
+            self._gone(old)
+            code = old.exitcode
+            if code == STARTUP_FAILURE and idx not in self._replacing:  # the start's: every worker would fail alike
                 log.critical("cannot start: worker %d could not (its lines above say why); stopping", old.pid)
                 self.start_failed = True
                 self.should_exit.set()
                 return
+            if code == STARTUP_FAILURE:  # a replacement (the repository moved, the GPU full): the others serve on
+                delay = self._replacing[idx] = min(2 * self._replacing[idx], 60.0)
+                self._retry_at[idx] = time.monotonic() + delay
+                serving = self.processes_num - len(self._retry_at)
+                if not serving:  # nothing left to serve: stop, as a start would
+                    log.critical("no worker could start in place of those that ended (their lines above say why); "
+                                 "stopping")
+                    self.start_failed = True
+                    self.should_exit.set()
+                    return
+                log.error("worker %d could not start in place of one that ended (its lines above say why); next try in "
+                          "%.0f s; %d of %d workers serve", old.pid, delay, serving, self.processes_num)
+                continue
+            self._replacing[idx] = 0.5  # the first retry of a replacement that cannot start comes 1 s later
             new = self._spawn(idx)
             if new is None:
                 return
-            code = old.exitcode
             log.error("worker %d ended (%s); worker %d started in its place", old.pid,
                       f"signal {-code}" if code is not None and code < 0 else f"exit code {code}", new.pid)
-            # It left its live gauges' files: /metrics would go on counting its requests in flight and
-            # listing its pid. Its counters stay (the totals hold what it served).
-            metrics_files.mark_process_dead(old.pid)
-            shares = getattr(self.config, "attend_shares", None)
-            if shares is not None:  # nor the others count its connections while its replacement starts
-                shares.release(old.pid)
+
+    def _gone(self, old: multiprocess.Process) -> None:
+        """A worker gone leaves its live gauges' files: /metrics would go on counting its requests in flight and
+        listing its pid. Its counters stay (the totals hold what it served)."""
+        metrics_files.mark_process_dead(old.pid)
+        shares = getattr(self.config, "attend_shares", None)
+        if shares is not None:  # nor the others count its connections while its replacement starts
+            shares.release(old.pid)
 
     def _spawn(self, idx: int | None = None) -> multiprocess.Process | None:
         """A new worker, appended or at `idx`, unless SIGTERM came: the handler, held off meanwhile, then finds

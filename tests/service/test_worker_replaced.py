@@ -376,3 +376,42 @@ def test_with_workers_a_worker_that_cannot_load_stops_the_start_in_one_line(repo
     assert f"cannot start: model repository {repo} does not exist" in stderr, stderr[-3000:]
     assert re.search(r"cannot start: worker \d+ could not \(its lines above say why\); stopping", stderr)
     assert "Traceback" not in stderr and not list(tmp_path.glob("attend-timings-*"))
+
+
+def test_a_replacement_that_cannot_start_is_tried_again_while_the_other_serves(repository, tmp_path):
+    """Before, a worker that died while the repository could not be loaded (moved, a broken newest version, the
+    GPU full) stopped the whole service: its replacement's failed start was taken for the start's own. Only
+    when no worker is left does it stop, exit code 1."""
+    log_path = tmp_path / "service.log"
+    repo, away = tmp_path / "repo", tmp_path / "away"
+    shutil.copytree(repository, repo)
+    with running_service(repo, log_path=log_path, ATTEND_WORKERS="2", ATTEND_INTRA_OP_THREADS="1",
+                         ATTEND_LOG_LEVEL="info") as (url, proc):
+        deadline = time.monotonic() + 60
+        while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        victim, survivor = sorted(worker_pids(url))
+        repo.rename(away)
+        os.kill(victim, signal.SIGKILL)
+        with httpx.Client() as client:  # one connection: the survivor's, as the victim's are gone
+            deadline = time.monotonic() + 90
+            while "next try in 2 s" not in log_path.read_text() and time.monotonic() < deadline:
+                assert client.post(f"{url}/attend", content=TOY, headers=JSON).status_code == 200
+                time.sleep(0.1)
+        assert proc.poll() is None and worker_pids(url) == {survivor}
+        away.rename(repo)
+        deadline = time.monotonic() + 90
+        while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(worker_pids(url) - {survivor}) == 1
+
+        repo.rename(away)  # then both ended, and neither can start: nothing is left to serve
+        for pid in worker_pids(url):
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=90) == 1
+    text = log_path.read_text()
+    assert re.search(r"worker \d+ could not start in place of one that ended \(its lines above say why\); next try "
+                     r"in 1 s; 1 of 2 workers serve", text), text[-3000:]
+    assert re.search(r"worker \d+ started, to try again", text) and "cannot start: worker" not in text
+    assert "no worker could start in place of those that ended (their lines above say why); stopping" in text
+    assert "Traceback" not in text
