@@ -91,9 +91,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         print(f"cannot start: {_one_line(e)}", file=sys.stderr)
         return 1
     configure_logging(settings.log_level)
-    if settings.intra_op_threads > settings.resolved_intra_op_threads():
+    threads = settings.resolved_intra_op_threads()
+    if settings.intra_op_threads > threads:
         log.warning("ATTEND_INTRA_OP_THREADS=%d is more than the %d cores this process may use: %d threads a run",
-                    settings.intra_op_threads, *[settings.resolved_intra_op_threads()] * 2)
+                    settings.intra_op_threads, threads, threads)
     release_memory_eagerly()  # before the first large allocation
     # ATTEND_WORKERS > 1: the start's check and every worker share the graphs' times in a folder of the start's own.
     shared = tempfile.TemporaryDirectory(prefix="attend-timings-") if settings.workers > 1 else None
