@@ -2,9 +2,11 @@
 Open Inference Protocol, over HTTP and over gRPC: a short sweep, the binary's exit status checked, a table
 of real numbers, and its server-side breakdown from the service's statistics extension."""
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -31,7 +33,9 @@ def test_perf_analyzer_runs_against_the_service(repository, protocol):
                # default) takes the first 3 windows as they come.
                "--stability", "999"]
     for _ in range(3):
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        # The script's service runs in this interpreter (its default, .venv, is not every checkout's venv).
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                env=os.environ | {"PYTHON": sys.executable})
         # perf_analyzer passed the memory bound, or a window took over twice the others' latency
         # (now and then in full test runs): again, at most twice more. The script puts
         # perf_analyzer's own log on stderr.
