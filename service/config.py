@@ -151,16 +151,21 @@ class Settings(BaseSettings):
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     def cores(self) -> int:
-        """Cores this process may run on (taskset and cgroup cpusets count), shared by the workers."""
-        return max(1, len(os.sched_getaffinity(0)) // self.workers)
+        """A worker's share of the usable cores."""
+        return max(1, usable_cores() // self.workers)
 
     def resolved_intra_op_threads(self) -> int:
-        """ATTEND_INTRA_OP_THREADS, at most the cores this process may use (past them every run waits on
-        threads that share a core: 256 on 2 cores took 24 s to start), or 0: the workers' share."""
-        return min(self.intra_op_threads, len(os.sched_getaffinity(0))) if self.intra_op_threads else self.cores()
+        """ATTEND_INTRA_OP_THREADS, at most the cores this process may use (each session has a pool that big, and
+        past the cores every run waits on threads that share one), or 0: the workers' share."""
+        return min(self.intra_op_threads, usable_cores()) if self.intra_op_threads else self.cores()
 
     def resolved_inference_threads(self) -> int:
         return self.inference_threads or min(2, self.cores())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset and cgroup cpusets count)."""
+    return len(os.sched_getaffinity(0))
 
 
 # ATTEND_* variables that are not the service's settings: the tools around it read them (the tests' browser,

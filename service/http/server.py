@@ -271,8 +271,8 @@ class Supervisor(multiprocess.Multiprocess):
         super().__init__(*args, **kwargs)
         self._stopping = False
         self.start_failed = False  # a worker of the start could not start: the service stops, exit code 1
-        self._replacing: dict[int, float] = {}  # slot -> seconds before its next try, while replacements fail
-        self._retry_at: dict[int, float] = {}  # slot -> when to try again
+        self._replacing: dict[int, float] = {}  # slot -> seconds its replacement waits if it cannot start
+        self._retry_at: dict[int, float] = {}  # slot -> when to try again, while it waits
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -315,29 +315,32 @@ class Supervisor(multiprocess.Multiprocess):
             self._gone(old)
             code = old.exitcode
             if code == STARTUP_FAILURE and idx not in self._replacing:  # the start's: every worker would fail alike
-                log.critical("cannot start: worker %d could not (its lines above say why); stopping", old.pid)
-                self.start_failed = True
-                self.should_exit.set()
+                self._give_up("cannot start: worker %d could not (its lines above say why); stopping", old.pid)
                 return
             if code == STARTUP_FAILURE:  # a replacement (the repository moved, the GPU full): the others serve on
-                delay = self._replacing[idx] = min(2 * self._replacing[idx], 60.0)
+                delay = self._replacing[idx]
+                self._replacing[idx] = min(2 * delay, 60.0)
                 self._retry_at[idx] = time.monotonic() + delay
                 serving = self.processes_num - len(self._retry_at)
                 if not serving:  # nothing left to serve: stop, as a start would
-                    log.critical("no worker could start in place of those that ended (their lines above say why); "
-                                 "stopping")
-                    self.start_failed = True
-                    self.should_exit.set()
+                    self._give_up("no worker could start in place of those that ended (their lines above say why); "
+                                  "stopping")
                     return
                 log.error("worker %d could not start in place of one that ended (its lines above say why); next try in "
                           "%.0f s; %d of %d workers serve", old.pid, delay, serving, self.processes_num)
                 continue
-            self._replacing[idx] = 0.5  # the first retry of a replacement that cannot start comes 1 s later
+            self._replacing[idx] = 1.0
             new = self._spawn(idx)
             if new is None:
                 return
             log.error("worker %d ended (%s); worker %d started in its place", old.pid,
                       f"signal {-code}" if code is not None and code < 0 else f"exit code {code}", new.pid)
+
+    def _give_up(self, message: str, *args: Any) -> None:
+        """Stop the service, exit code 1 (run_workers' False)."""
+        log.critical(message, *args)
+        self.start_failed = True
+        self.should_exit.set()
 
     def _gone(self, old: multiprocess.Process) -> None:
         """A worker gone leaves its live gauges' files: /metrics would go on counting its requests in flight and
