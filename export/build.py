@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -61,16 +63,30 @@ def build_module(kind: str, hp: dict[str, Any]) -> nn.Module:
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The state_dict saved at `path` (`torch.save(module.state_dict(), path)`)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: it runs no code
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {path} not found") from e
-    except Exception as e:  # unpickling errors come in many types
-        raise CheckpointError(f"checkpoint {path} is not a readable state_dict: {e}") from e
-    if isinstance(state, nn.Module):
-        state = state.state_dict()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {e.strerror or e}") from e
+    except pickle.UnpicklingError as e:
+        # torch's message is a paragraph on weights_only; a class named in it means objects were pickled.
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if found:
+            raise CheckpointError(f"checkpoint {path} holds a {found[1]} object, not only tensors "
+                                  "(torch.save(model)?), and it is loaded with weights_only: "
+                                  "save model.state_dict() instead") from e
+        raise CheckpointError(f"checkpoint {path} is not a file torch.save wrote") from e
+    except Exception as e:  # a damaged archive, and the like
+        raise CheckpointError(f"checkpoint {path} is not a readable state_dict: {str(e).splitlines()[0]}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint {path} is not a state_dict (a mapping of names to tensors)")
+        inner = [key for key, value in state.items() if _is_state_dict(value)] if isinstance(state, dict) else []
+        hint = f": its entry {inner[0]!r} is one; save that alone" if len(inner) == 1 else ""
+        raise CheckpointError(f"checkpoint {path} is not a state_dict (a mapping of names to tensors){hint}")
     return state
+
+
+def _is_state_dict(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
 
 
 # Which weight tells each size: (parameter, axis). nn.Linear's weight is (out_features, in_features).

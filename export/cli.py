@@ -156,4 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m export") -> int:
         except ExportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except OSError as e:  # the repository: a full disk, a read-only mount, a path through a file
+            print(f"error: cannot write to the repository {args.repository}: {e.strerror or e}", file=sys.stderr)
+            return 1
         return 0

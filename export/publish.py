@@ -124,6 +124,9 @@ def export_model(repository: Path, name: str, kind: str, hp: dict[str, Any],
     if checkpoint is not None:
         load_checkpoint(module, checkpoint, _describe(kind, hp))
 
+    for folder in (repository, repository / name):  # said before the seconds of export and validation
+        if folder.exists() and not folder.is_dir():
+            raise ExportError(f"{folder} is a file, not a folder")
     repository.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         staging = _stage(repository, name, stack)

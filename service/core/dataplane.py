@@ -210,7 +210,8 @@ class Dataplane:
             raise
         self.ready = True
         self.metrics.ready.set(1)
-        log.info("ready: %d models from %s", len(registry.names()), settings.model_repository)
+        count = len(registry.names())
+        log.info("ready: %d model%s from %s", count, "" if count == 1 else "s", settings.model_repository)
 
     async def close(self) -> None:
         self.ready = False

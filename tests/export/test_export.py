@@ -6,6 +6,7 @@ import fcntl
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -360,7 +361,45 @@ def test_unreadable_checkpoint_is_an_error(tmp_path, capsys, content):
         ckpt.write_bytes(content)
     assert main(["--repository", str(tmp_path / "repo"), "--kind", "dot_product", "--checkpoint", str(ckpt)]) == 1
     err = capsys.readouterr().err
-    assert "error: checkpoint" in err and str(ckpt) in err
+    assert err.startswith(f"error: checkpoint {ckpt} ") and err.count("\n") == 1, err  # not torch's paragraph
+
+
+@pytest.mark.parametrize("saved, message", [
+    ("module", "holds a models.attention.MultiHeadAttention object, not only tensors (torch.save(model)?), and it is "
+               "loaded with weights_only: save model.state_dict() instead"),
+    ("nested", "is not a state_dict (a mapping of names to tensors): its entry 'model' is one; save that alone"),
+])
+def test_a_checkpoint_saved_otherwise_says_what_to_save(tmp_path, capsys, saved, message):
+    """Before: torch's weights_only paragraph for a module saved whole, no word of the state_dict inside."""
+    module = models.MultiHeadAttention(8, 8, 8, 8, 2)
+    ckpt = tmp_path / "c.pt"
+    torch.save(module if saved == "module" else {"model": module.state_dict(), "epoch": 3}, ckpt)
+    repo = tmp_path / "repo"
+    assert main(["--repository", str(repo), "--kind", "multi_head", "--checkpoint", str(ckpt)]) == 1
+    assert capsys.readouterr().err == f"error: checkpoint {ckpt} {message}\n"
+    assert not repo.exists()
+
+
+def test_a_repository_or_model_folder_that_is_a_file_is_said_before_the_export(tmp_path, capsys):
+    """Before: FileExistsError's traceback, after the export and its validation."""
+    (tmp_path / "repo").write_text("")
+    assert main(["--repository", str(tmp_path / "repo"), "--kind", "dot_product"]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'repo'} is a file, not a folder\n"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "dp").write_text("")
+    assert main(["--repository", str(tmp_path / "other"), "--kind", "dot_product", "--name", "dp"]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'other' / 'dp'} is a file, not a folder\n"
+    assert _entries(tmp_path / "other") == ["dp"]
+
+
+def test_a_repository_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
+    """A full disk, as a file size limit (RLIMIT_FSIZE: EFBIG, as ENOSPC would be). Before: onnx's traceback."""
+    repo = tmp_path / "repo"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # noqa: E731 (multi_head: 160 kB)
+    export = subprocess.run([sys.executable, "-m", "export", "--repository", str(repo), "--kind", "multi_head"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert (export.returncode, export.stderr) == (1, f"error: cannot write to the repository {repo}: File too large\n")
+    assert _entries(repo) == []
 
 
 def test_failed_validation_publishes_nothing(tmp_path, monkeypatch):
