@@ -46,6 +46,7 @@ from service.http.server import (
     exit_on_stop_signals,
     raise_file_limit,
     run_workers,
+    scratch_dir,
     uvicorn_options,
 )
 
@@ -96,9 +97,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         log.warning("ATTEND_INTRA_OP_THREADS=%d is more than the %d cores this process may use: %d threads a run",
                     settings.intra_op_threads, threads, threads)
     release_memory_eagerly()  # before the first large allocation
-    # ATTEND_WORKERS > 1: the start's check and every worker share the graphs' times in a folder of the start's own.
-    shared = tempfile.TemporaryDirectory(prefix="attend-timings-") if settings.workers > 1 else None
-    with shared or contextlib.nullcontext() as timings_folder:
+    with contextlib.ExitStack() as folders:
         try:
             with exit_on_stop_signals():  # the loads take seconds; then the server's own handlers take over
                 # A port taken stops the start now, in one line, not once the models are loaded. HTTP's socket is
@@ -110,6 +109,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
                 if settings.workers == 1:
                     registry = load_registry(settings)
                 else:
+                    # The start's check and every worker share the graphs' times in a folder of the start's own.
+                    timings_folder = folders.enter_context(tempfile.TemporaryDirectory(
+                        prefix="attend-timings-", dir=scratch_dir("the graphs' times")))
                     check_in_a_process(settings, timings_folder)  # then each worker loads its own sessions
         except StartupError as e:
             log.critical("cannot start: %s", e)

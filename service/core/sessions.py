@@ -60,7 +60,9 @@ def stderr_captured() -> Iterator[list[str]]:
     sys.stderr.flush()
     saved = os.dup(2)
     captured: list[str] = []
-    with tempfile.TemporaryFile() as tmp:
+    # In memory where it can be (Linux): a read-only root filesystem has no temporary folder.
+    memory = hasattr(os, "memfd_create")
+    with open(os.memfd_create("attend-stderr"), "w+b") if memory else tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
             yield captured

@@ -399,12 +399,24 @@ def bind_port(host: str, port: int, setting: str, what: str, fix: str = "") -> s
     return sock
 
 
+def scratch_dir(what: str) -> str | None:
+    """Where this run's own folders go (`what` they hold, for the error): the temporary folder (TMPDIR, /tmp;
+    None), or /dev/shm where none is writable, as on a read-only root filesystem."""
+    try:
+        tempfile.gettempdir()
+        return None
+    except FileNotFoundError:  # tempfile found no writable folder
+        if os.access("/dev/shm", os.W_OK | os.X_OK):
+            return "/dev/shm"
+        raise StartupError(f"ATTEND_WORKERS > 1 needs a writable folder for {what}: TMPDIR, /tmp or /dev/shm") from None
+
+
 def run_workers(settings: Settings, factory: str | Callable[[], Any], listener: socket.socket) -> bool:
     """ATTEND_WORKERS processes behind `listener` (bind_port's), each a GracefulServer with the app `factory` makes
     (its own sessions; an import string, or a callable the spawned workers unpickle), the metrics of all of
     them on every /metrics (prometheus_client's multiprocess mode, in a folder of this run's own). False: a worker
     could not start."""
-    metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-")
+    metrics_dir = tempfile.mkdtemp(prefix="attend-metrics-", dir=scratch_dir("the metrics"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
 
     config = uvicorn.Config(factory, factory=True, workers=settings.workers,

@@ -485,6 +485,17 @@ def test_an_export_publishes_with_the_repository_locked(tmp_path):
     assert read_config(repo / "masked_softmax").version == 1
 
 
+def test_an_export_leaves_onnx_runtime_telemetry_off(tmp_path):
+    """The exporter's validation runs ONNX Runtime: before, it kept a device id and queued usage events in
+    ~/.cache/Microsoft (the service's test, tests/service/test_lifecycle.py, also shows the opt-in)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "ORT_RUNNING_UNIT_TESTS", "XDG_CACHE_HOME",
+                                                           "ORT_DISABLE_TELEMETRY")} | {"HOME": str(tmp_path)}
+    export = subprocess.run([sys.executable, "-m", "export", "--repository", str(tmp_path / "repo"), "--kind",
+                             "masked_softmax"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    assert not (tmp_path / ".cache" / "Microsoft").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--kind", "additive", "--num-heads", "2"], "--num-heads do(es) not apply to kind additive"),
     (["--kind", "multi_head", "--num-hiddens", "10", "--num-heads", "3"], "multiple of num_heads"),

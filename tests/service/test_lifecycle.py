@@ -107,6 +107,64 @@ def test_a_taken_port_or_a_foreign_host_stops_the_start_before_the_models_load(r
             assert "loaded model" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def _can_unshare_mounts() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="a read-only root filesystem is made in a mount namespace, "
+                                                      "which needs root (CAP_SYS_ADMIN): the project's machines are")
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_read_only_root_filesystem_serves_over_http_and_grpc(repository, workers):
+    """As a container with `readOnlyRootFilesystem` (no writable /tmp): /dev/shm is its own mount. Before, the
+    start failed: ONNX Runtime's log was captured in a temporary file (`ATTEND_DEVICE=auto`), and the workers'
+    metrics and graph times went into temporary folders ("No usable temporary directory found")."""
+    import tritonclient.grpc as grpcclient
+
+    read_only = ["unshare", "-m", "sh", "-c", 'mount -o remount,bind,ro / && exec "$@"', "read-only"]
+    assert subprocess.run([*read_only, "sh", "-c", "! touch /tmp/attend-writable"]).returncode == 0
+    port = free_port()
+    with running_service(repository, prefix=read_only, ATTEND_DEVICE="auto", ATTEND_WORKERS=workers,
+                         ATTEND_GRPC_PORT=str(port), ATTEND_LOG_LEVEL="info") as (url, proc):
+        response = httpx.post(f"{url}/attend", json=_README_REQUEST, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"] == [[[1.0, 2.0]], [[2.0, 3.0]]]
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            inputs = [grpcclient.InferInput(name, list(np.shape(value)), "FP32").set_data_from_numpy(
+                np.array(value, np.float32)) for name, value in _README_REQUEST.items() if name in ("queries", "keys",
+                                                                                                "values")]
+            lens = grpcclient.InferInput("valid_lens", [2], "INT64").set_data_from_numpy(np.array([2, 3]))
+            result = client.infer("dot_product", [*inputs, lens])
+            assert result.as_numpy("outputs").tolist() == [[[1.0, 2.0]], [[2.0, 3.0]]]
+        scrape = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()  # with workers, from the shared folder
+        for protocol in ("http", "grpc"):
+            assert f'attend_requests_total{{model="dot_product",protocol="{protocol}",status="200"}} 1.0' in scrape
+
+
+_README_REQUEST = {"model": "dot_product", "queries": [[[1, 0]], [[0, 1]]],
+                   "keys": [[[1, 1], [1, 1], [1, 1]], [[1, 1], [1, 1], [1, 1]]],
+                   "values": [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4, 5]]], "valid_lens": [2, 3]}
+
+
+# ONNX Runtime's telemetry (1.29 and later, Linux) also stays off under CI or ORT_RUNNING_UNIT_TESTS: not here.
+_WITHOUT_TELEMETRY_SWITCHES = ["env", "-u", "CI", "-u", "ORT_RUNNING_UNIT_TESTS", "-u", "XDG_CACHE_HOME"]
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_onnx_runtimes_telemetry_is_off_unless_the_operator_turns_it_on(repository, tmp_path, opt_in):
+    """Before, every start made ONNX Runtime keep a device id and queue usage events (model file names, graph
+    hashes) in ~/.cache/Microsoft/DeveloperTools/.onnxruntime, for Microsoft's collector wherever it can reach
+    it. ORT_DISABLE_TELEMETRY=0 is the opt-in, and shows that the folder is where this test looks."""
+    home = tmp_path / "home"
+    home.mkdir()
+    # This process imported the service, whose default is in its environment: the service must set it itself.
+    prefix = _WITHOUT_TELEMETRY_SWITCHES + ([] if opt_in else ["-u", "ORT_DISABLE_TELEMETRY"])
+    env = {"HOME": str(home)} | ({"ORT_DISABLE_TELEMETRY": "0"} if opt_in else {})
+    with running_service(repository, prefix=prefix, **env) as (url, proc):
+        assert httpx.post(f"{url}/attend", json=_README_REQUEST, timeout=10).status_code == 200
+    assert (home / ".cache" / "Microsoft" / "DeveloperTools" / ".onnxruntime").is_dir() == opt_in
+
+
 def test_skip_broken_models_serves_the_rest_and_says_why(repo_copy, settings):
     _wrong_sha(repo_copy)
     skip = settings.model_copy(update={"model_repository": repo_copy, "skip_broken_models": True})
