@@ -141,6 +141,22 @@ def test_a_read_only_root_filesystem_serves_over_http_and_grpc(repository, worke
             assert f'attend_requests_total{{model="dot_product",protocol="{protocol}",status="200"}} 1.0' in scrape
 
 
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="a read-only root filesystem is made in a mount namespace, "
+                                                      "which needs root (CAP_SYS_ADMIN): the project's machines are")
+def test_workers_with_no_writable_folder_at_all_stop_the_start_in_one_line(repository):
+    no_shm = ["unshare", "-m", "sh", "-c",
+              'mount -o remount,bind,ro / && mount -t tmpfs -o ro tmpfs /dev/shm && exec "$@"', "read-only"]
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_WORKERS": "2", "ATTEND_GRPC_PORT": "0",
+                        "ATTEND_PORT": str(free_port())}
+    result = subprocess.run([*no_shm, sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    critical = [line for line in result.stderr.splitlines() if "CRITICAL" in line]
+    assert result.returncode == 1 and len(critical) == 1, result.stderr
+    assert critical[0].endswith("cannot start: ATTEND_WORKERS > 1 needs a writable folder for the graphs' times: "
+                                "TMPDIR, /tmp or /dev/shm"), result.stderr
+    assert "Traceback" not in result.stderr and "loaded model" not in result.stderr
+
+
 _README_REQUEST = {"model": "dot_product", "queries": [[[1, 0]], [[0, 1]]],
                    "keys": [[[1, 1], [1, 1], [1, 1]], [[1, 1], [1, 1], [1, 1]]],
                    "values": [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4, 5]]], "valid_lens": [2, 3]}
