@@ -8,7 +8,7 @@
 #      pid file in a temporary folder; it is stopped by its PID at the end
 #   3. makes the base image locally when absent: debootstrap --variant=minbase bookworm (with
 #      python3, venv, ca-certificates, and this machine's extra CAs trusted) | docker import
-#   4. docker compose (CPU variant) build, up -d --wait; a real POST /attend with the book's toy
+#   4. docker compose (CPU variant, read-only root filesystem) build, up -d --wait; a real POST /attend with the book's toy
 #      example, and the same through gRPC (tritonclient.grpc) on the published gRPC port; the
 #      monitoring profile (Prometheus) up -d --build --wait on a free loopback port; the
 #      loadtest profile (locust, bounded, headless) must end with no failure; then, from the host,
@@ -215,6 +215,9 @@ export ATTEND_PUBLISH_GRPC=127.0.0.1:$grpc_port
 STACK_UP=1
 "$COMPOSE" up -d --wait --wait-timeout 300 >"$LOGS/up.log" 2>&1 || { cat "$LOGS/up.log" >&2; exit 1; }
 "$COMPOSE" ps --format '  {{.Name}} {{.Status}} {{.Ports}}'
+# docker-compose.cpu.yml's read_only: the service serves what follows on a read-only root filesystem.
+[ "$("$COMPOSE" exec -T api python -c "import os; print(os.access('/tmp', os.W_OK))")" = False ] \
+    || { echo "smoke.sh: the api container's root filesystem is writable (read_only)" >&2; exit 1; }
 
 # ------------------------------------------------------------------------------ 6. POST /attend
 phase "POST /attend (toy)"
