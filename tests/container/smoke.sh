@@ -8,8 +8,8 @@
 #      pid file in a temporary folder; it is stopped by its PID at the end
 #   3. makes the base image locally when absent: debootstrap --variant=minbase bookworm (with
 #      python3, venv, ca-certificates, and this machine's extra CAs trusted) | docker import
-#   4. docker compose (CPU variant, read-only root filesystem) build, up -d --wait; a real POST /attend with the book's toy
-#      example, and the same through gRPC (tritonclient.grpc) on the published gRPC port; the
+#   4. docker compose (CPU variant, read-only root filesystem) build, up -d --wait; a real POST /attend
+#      with the book's toy example, and the same through gRPC (tritonclient.grpc) on the published gRPC port; the
 #      monitoring profile (Prometheus) up -d --build --wait on a free loopback port; the
 #      loadtest profile (locust, bounded, headless) must end with no failure; then, from the host,
 #      Prometheus' HTTP API must show the attend target up, the rule groups of
