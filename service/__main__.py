@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         except StartupError as e:
             log.critical("cannot start: %s", e)
             return 1
-        raise_file_limit()
+        raise_file_limit(settings)
         if settings.workers == 1:
             app = with_grpc(create_app(settings, registry), settings)
             GracefulServer(uvicorn.Config(app, **uvicorn_options(settings)), app).run([listener])

@@ -506,8 +506,20 @@ def _load(settings: Settings, timings_folder: str, send: Any) -> None:
         send.send(str(e))
 
 
-def raise_file_limit() -> None:
-    """Open connections are file descriptors: the soft limit up to the hard one (often 1024 of 1M)."""
+# File descriptors a process holds besides its connections: sessions, logs, pipes, the event loop (16 idle).
+_OWN_FILES = 64
+
+
+def raise_file_limit(settings: Settings) -> None:
+    """Open connections are file descriptors: the soft limit up to the hard one (often 1024 of 1M), and a warning
+    where that is short of what ATTEND_MAX_OPEN_CONNECTIONS lets in (HTTP's, and as many gRPC's)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    needed = settings.max_open_connections * (2 if settings.grpc_port else 1) + _OWN_FILES
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        # Past the limit uvloop closes a new connection unanswered and says nothing; grpc leaves it waiting.
+        log.warning("this process may open %d files (ulimit -n) and ATTEND_MAX_OPEN_CONNECTIONS=%d%s needs up to %d: "
+                    "past the limit a new connection is closed unanswered (HTTP) or waits (gRPC); raise it "
+                    "(docker run --ulimit nofile=N) or lower the setting", hard, settings.max_open_connections,
+                    " (HTTP and gRPC)" if settings.grpc_port else "", needed)

@@ -157,6 +157,24 @@ def test_workers_with_no_writable_folder_at_all_stop_the_start_in_one_line(repos
     assert "Traceback" not in result.stderr and "loaded model" not in result.stderr
 
 
+@pytest.mark.parametrize("open_connections, said", [("4096", True), ("50", False)])
+def test_a_file_limit_short_of_the_open_connections_is_said_at_the_start(repository, tmp_path, open_connections,
+                                                                          said):
+    """Before, nothing said it: past the limit uvloop closed each new connection unanswered (its spare-descriptor
+    trick), with no log line and no refusal counted. 50 connections and the process's own fit in 200."""
+    log = tmp_path / "service.log"
+    with running_service(repository, prefix=["prlimit", "--nofile=200:200"], log_path=log,
+                         ATTEND_MAX_OPEN_CONNECTIONS=open_connections) as (url, proc):
+        assert httpx.post(f"{url}/attend", json=_README_REQUEST, timeout=10).status_code == 200
+    warned = [line for line in log.read_text().splitlines() if "(ulimit -n)" in line]
+    assert len(warned) == int(said), warned
+    if said:  # gRPC is off (running_service): HTTP's connections alone
+        assert warned[0].endswith(
+            "WARNING service [-] this process may open 200 files (ulimit -n) and ATTEND_MAX_OPEN_CONNECTIONS=4096 "
+            "needs up to 4160: past the limit a new connection is closed unanswered (HTTP) or waits (gRPC); raise it "
+            "(docker run --ulimit nofile=N) or lower the setting"), warned
+
+
 _README_REQUEST = {"model": "dot_product", "queries": [[[1, 0]], [[0, 1]]],
                    "keys": [[[1, 1], [1, 1], [1, 1]], [[1, 1], [1, 1], [1, 1]]],
                    "values": [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4, 5]]], "valid_lens": [2, 3]}
