@@ -32,7 +32,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from service.asgi import create_worker_app, with_grpc
-from service.config import Settings, UnknownSetting, get_settings
+from service.config import Settings, UnknownSetting, get_settings, usable_cores
 from service.core import tracing
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
@@ -94,8 +94,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     configure_logging(settings.log_level)
     threads = settings.resolved_intra_op_threads()
     if settings.intra_op_threads > threads:
-        log.warning("ATTEND_INTRA_OP_THREADS=%d is more than the %d cores this process may use: %d threads a run",
+        log.warning("ATTEND_INTRA_OP_THREADS=%d is more than the cores this process may use (%d): %d threads a run",
                     settings.intra_op_threads, threads, threads)
+    if settings.workers > usable_cores():
+        log.warning("ATTEND_WORKERS=%d is more than the cores this process may use (%d): the workers take turns on "
+                    "them, each holding every model", settings.workers, usable_cores())
     release_memory_eagerly()  # before the first large allocation
     with contextlib.ExitStack() as folders:
         try:

@@ -132,8 +132,20 @@ def test_intra_op_threads_past_the_cores_are_the_cores_and_said_so(tmp_path):
            "ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere")}  # then it stops: the warning comes before
     result = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert (f"WARNING service [-] ATTEND_INTRA_OP_THREADS=100000 is more than the {usable} cores this process may "
-            f"use: {usable} threads a run") in result.stderr, result.stderr
+    assert (f"WARNING service [-] ATTEND_INTRA_OP_THREADS=100000 is more than the cores this process may use "
+            f"({usable}): {usable} threads a run") in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("workers, said", [("2", True), ("1", False)])
+def test_workers_past_the_cores_are_said(tmp_path, workers, said):
+    """Before, nothing said it: compose's GPU default of 8 workers on a host of fewer cores."""
+    env = {"PATH": os.environ["PATH"], "ATTEND_WORKERS": workers, "ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere")}
+    result = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "service"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1  # no repository: the warning comes before
+    line = ("WARNING service [-] ATTEND_WORKERS=2 is more than the cores this process may use (1): the workers take "
+            "turns on them, each holding every model")
+    assert (line in result.stderr) == said, result.stderr
 
 
 def test_the_service_does_not_import_torch():
