@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from functools import lru_cache
@@ -164,8 +165,59 @@ class Settings(BaseSettings):
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (taskset and cgroup cpusets count)."""
-    return len(os.sched_getaffinity(0))
+    """The cores this process may run on: taskset and cgroup cpusets, and a CPU quota (a container's `--cpus`, a
+    pod's CPU limit) rounded up. Threads past a quota spin through it and wait for the next period."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs' worth of time the cgroups of this process allow a period (cgroup v2's cpu.max, v1's
+    cpu.cfs_quota_us over cpu.cfs_period_us; the least of its cgroup and those above), or None: no quota."""
+    quotas = []
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy at root
+            mount, read = root, _v2_quota
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
+            mount = next((root / n for n in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / n).is_dir()), None)
+            if mount is None:
+                continue
+            read = _v1_quota
+        else:
+            continue
+        # A container sees its own cgroup at the mount; the path is the host's (v1) or "/" (v2's namespace).
+        here = mount / path.lstrip("/")
+        for folder in (here, *here.parents) if here.is_dir() else (mount,):
+            quota = read(folder)
+            if quota is not None:
+                quotas.append(quota)
+            if folder == mount:
+                break
+    return min(quotas, default=None)
+
+
+def _v2_quota(folder: Path) -> float | None:
+    try:
+        limit, period = (folder / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) / int(period)
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        limit, period = (int((folder / f"cpu.cfs_{name}_us").read_text()) for name in ("quota", "period"))
+    except (OSError, ValueError):
+        return None
+    return None if limit < 0 else limit / period
 
 
 # ATTEND_* variables that are not the service's settings: the tools around it read them (the tests' browser,

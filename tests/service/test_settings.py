@@ -54,3 +54,71 @@ def test_compose_passes_every_setting_on():
     with open(ROOT / "docker-compose.yml") as f:
         api = yaml.safe_load(f)["services"]["api"]
     assert set(api["environment"]) == set(setting_names())
+
+
+def _cgroups(tmp_path, own: str, files: dict[str, str]):
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self").write_text(own)
+    return root, tmp_path / "self"
+
+
+@pytest.mark.parametrize("own, files, quota", [
+    # v2: the process's cgroup and those above it; the least counts.
+    ("0::/pod/app\n", {"pod/cpu.max": "150000 100000\n", "pod/app/cpu.max": "max 100000\n"}, 1.5),
+    ("0::/pod/app\n", {"pod/cpu.max": "max 100000\n", "pod/app/cpu.max": "50000 100000\n"}, 0.5),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    # v2 in a container's namespace: its own cgroup at the mount.
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),
+    # v1, the host's path of a container whose cgroup is mounted as the controller's root.
+    ("4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n",
+     {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("1:cpu:/a\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n",
+                    "cpu/a/cpu.cfs_quota_us": "25000\n", "cpu/a/cpu.cfs_period_us": "100000\n"}, 0.25),
+    ("1:cpu:/a\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("garbage\n", {}, None),
+])
+def test_a_cpu_quota_is_read_from_either_cgroup_version(tmp_path, own, files, quota):
+    from service.config import cpu_quota
+
+    assert cpu_quota(*_cgroups(tmp_path, own, files)) == quota
+
+
+def _quota_cgroup():
+    """A cgroup of half a CPU this test may put a process in (root, a writable cgroup filesystem), or None."""
+    name = f"attend-test-{os.getpid()}"
+    for folder, limit in ((f"/sys/fs/cgroup/{name}", ("cpu.max", "50000 100000")),
+                          (f"/sys/fs/cgroup/cpu/{name}", ("cpu.cfs_quota_us", "50000"))):
+        try:
+            os.mkdir(folder)
+        except OSError:
+            continue
+        if not os.path.exists(os.path.join(folder, "cgroup.procs")):  # a plain folder: no cgroup filesystem there
+            os.rmdir(folder)
+            continue
+        try:
+            with open(os.path.join(folder, limit[0]), "w") as f:
+                f.write(limit[1])
+            return folder
+        except OSError:
+            os.rmdir(folder)
+    return None
+
+
+def test_a_cpu_quota_sets_the_threads_as_cores_would():
+    """Before, a container of half a CPU on a 2-core host ran 2 threads a session and 2 inference threads: on
+    W2-like bodies half the requests/s of one thread, and p99 1.8x (docs/benchmarks.md, "A CPU quota")."""
+    folder = _quota_cgroup()
+    if folder is None:
+        pytest.skip("a CPU quota is set in a cgroup of the test's own, which needs root and a writable cgroup "
+                    "filesystem: the project's machines have both")
+    code = ("from service.config import Settings, usable_cores; s = Settings(); "
+            "print(usable_cores(), s.resolved_intra_op_threads(), s.resolved_inference_threads())")
+    try:
+        inside = subprocess.run(["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "quota",
+                                 sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        os.rmdir(folder)
+    assert inside.stdout == "1 1 1\n", inside.stderr
