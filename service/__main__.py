@@ -32,7 +32,15 @@ import uvicorn
 from pydantic import ValidationError
 
 from service.asgi import create_worker_app, with_grpc
-from service.config import Settings, UnknownSetting, get_settings, usable_cores
+from service.config import (
+    BUDGET_FACTOR,
+    IDLE_BYTES,
+    Settings,
+    UnknownSetting,
+    get_settings,
+    memory_limit,
+    usable_cores,
+)
 from service.core import tracing
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
@@ -99,6 +107,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     if settings.workers > usable_cores():
         log.warning("ATTEND_WORKERS=%d is more than the cores this process may use (%d): the workers take turns on "
                     "them, each holding every model", settings.workers, usable_cores())
+    _warn_of_the_memory_limit(settings)
     release_memory_eagerly()  # before the first large allocation
     with contextlib.ExitStack() as folders:
         try:
@@ -127,6 +136,22 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
             if not run_workers(settings, functools.partial(create_worker_app, timings_folder), listener):
                 return 1
     return 0
+
+
+def _warn_of_the_memory_limit(settings: Settings) -> None:
+    """Past its cgroup's memory limit a process is killed, where the in-flight budget would have refused (503)."""
+    limit = memory_limit()
+    need = settings.workers * (IDLE_BYTES + BUDGET_FACTOR * settings.max_inflight_bytes)
+    if limit is None or limit >= need:
+        return
+    mib = 2**20
+    fits = (limit / settings.workers - IDLE_BYTES) / BUDGET_FACTOR
+    fix = (f"set ATTEND_MAX_INFLIGHT_BYTES to at most {int(fits)} ({fits / mib:.0f} MiB)" if fits >= 1024
+           else "give it more memory, or fewer ATTEND_WORKERS")
+    log.warning("the memory limit (%.0f MiB, the cgroup's) is less than ATTEND_WORKERS=%d x (%d MiB + %g x "
+                "ATTEND_MAX_INFLIGHT_BYTES=%.0f MiB): requests in flight together may have the process killed "
+                "rather than refused; %s (docs/reliability.md)", limit / mib, settings.workers, IDLE_BYTES // mib,
+                BUDGET_FACTOR, settings.max_inflight_bytes / mib, fix)
 
 
 def _one_line(error: Exception) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -164,6 +164,12 @@ class Settings(BaseSettings):
         return self.inference_threads or min(2, self.cores())
 
 
+_CGROUPS, _OWN_CGROUPS = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")
+# A worker's memory before any request (the idle process, its models and runtime) and per byte of its
+# in-flight budget at most (ONNX Runtime's arena keeps earlier runs' memory): docs/reliability.md's sizing.
+IDLE_BYTES, BUDGET_FACTOR = 160 * 2**20, 1.5
+
+
 def usable_cores() -> int:
     """The cores this process may run on: taskset and cgroup cpusets, and a CPU quota (a container's `--cpus`, a
     pod's CPU limit) rounded up. Threads past a quota spin through it and wait for the next period."""
@@ -172,10 +178,21 @@ def usable_cores() -> int:
     return cores if quota is None else max(1, min(cores, math.ceil(quota)))
 
 
-def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> float | None:
+def cpu_quota(root: Path = _CGROUPS, own: Path = _OWN_CGROUPS) -> float | None:
     """The CPUs' worth of time the cgroups of this process allow a period (cgroup v2's cpu.max, v1's
     cpu.cfs_quota_us over cpu.cfs_period_us; the least of its cgroup and those above), or None: no quota."""
-    quotas = []
+    return _least(root, own, "cpu", _v1_quota, _v2_quota)
+
+
+def memory_limit(root: Path = _CGROUPS, own: Path = _OWN_CGROUPS) -> int | None:
+    """The bytes the cgroups of this process may hold (v2's memory.max, v1's memory.limit_in_bytes; the least
+    of its cgroup and those above), or None: no limit."""
+    return _least(root, own, "memory", _v1_memory, _v2_memory)
+
+
+def _least(root: Path, own: Path, controller: str, read_v1: Callable[[Path], float | None],
+           read_v2: Callable[[Path], float | None]) -> Any:
+    found = []
     try:
         lines = own.read_text().splitlines()
     except OSError:
@@ -185,23 +202,39 @@ def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/
             continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one hierarchy at root
-            mount, read = root, _v2_quota
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
-            mount = next((root / n for n in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / n).is_dir()), None)
-            if mount is None:
+            mount, read = root, read_v2
+        elif controller in controllers.split(","):  # v1: the controller's own mount ("cpu", "cpu,cpuacct")
+            mounts = sorted(p for p in root.glob("*") if controller in p.name.split(",") and p.is_dir())
+            if not mounts:
                 continue
-            read = _v1_quota
+            mount, read = mounts[0], read_v1
         else:
             continue
         # A container sees its own cgroup at the mount; the path is the host's (v1) or "/" (v2's namespace).
         here = mount / path.lstrip("/")
         for folder in (here, *here.parents) if here.is_dir() else (mount,):
-            quota = read(folder)
-            if quota is not None:
-                quotas.append(quota)
+            value = read(folder)
+            if value is not None:
+                found.append(value)
             if folder == mount:
                 break
-    return min(quotas, default=None)
+    return min(found, default=None)
+
+
+def _v2_memory(folder: Path) -> int | None:
+    try:
+        text = (folder / "memory.max").read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" or not text.isdigit() else int(text)
+
+
+def _v1_memory(folder: Path) -> int | None:
+    try:
+        limit = int((folder / "memory.limit_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit >= 2**62 else limit  # no limit reads as the largest page-aligned number
 
 
 def _v2_quota(folder: Path) -> float | None:

@@ -86,11 +86,12 @@ def test_a_cpu_quota_is_read_from_either_cgroup_version(tmp_path, own, files, qu
     assert cpu_quota(*_cgroups(tmp_path, own, files)) == quota
 
 
-def _quota_cgroup():
-    """A cgroup of half a CPU this test may put a process in (root, a writable cgroup filesystem), or None."""
+def _quota_cgroup(v2: tuple[str, str] = ("cpu.max", "50000 100000"), v1: tuple[str, str, str] = (
+        "cpu", "cpu.cfs_quota_us", "50000")):
+    """A cgroup with the limit given (v2's file and value, or v1's controller, file and value; default half a
+    CPU) this test may put a process in (root, a writable cgroup filesystem), or None."""
     name = f"attend-test-{os.getpid()}"
-    for folder, limit in ((f"/sys/fs/cgroup/{name}", ("cpu.max", "50000 100000")),
-                          (f"/sys/fs/cgroup/cpu/{name}", ("cpu.cfs_quota_us", "50000"))):
+    for folder, limit in ((f"/sys/fs/cgroup/{name}", v2), (f"/sys/fs/cgroup/{v1[0]}/{name}", v1[1:])):
         try:
             os.mkdir(folder)
         except OSError:
@@ -122,3 +123,39 @@ def test_a_cpu_quota_sets_the_threads_as_cores_would():
     finally:
         os.rmdir(folder)
     assert inside.stdout == "1 1 1\n", inside.stderr
+
+
+@pytest.mark.parametrize("own, files, limit", [
+    ("0::/pod/app\n", {"pod/memory.max": "629145600\n", "pod/app/memory.max": "max\n"}, 629145600),
+    ("0::/\n", {"memory.max": "max\n"}, None),
+    ("5:memory:/docker/abc\n", {"memory/memory.limit_in_bytes": "536870912\n"}, 536870912),
+    ("5:memory:/a\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),
+])
+def test_a_memory_limit_is_read_from_either_cgroup_version(tmp_path, own, files, limit):
+    from service.config import memory_limit
+
+    assert memory_limit(*_cgroups(tmp_path, own, files)) == limit
+
+
+@pytest.mark.parametrize("budget, said", [("1073741824", True), ("268435456", False)])
+def test_a_memory_limit_short_of_the_budget_is_said_at_the_start(tmp_path, budget, said):
+    """Before, nothing said it: in 600 MiB, the default 1 GiB budget let requests in flight together have the
+    process killed for memory, where the budget would have refused them (503). 256 MiB x 1.5 + 160 fits."""
+    folder = _quota_cgroup(("memory.max", "629145600"), ("memory", "memory.limit_in_bytes", "629145600"))
+    if folder is None:
+        pytest.skip("a memory limit is set in a cgroup of the test's own, which needs root and a writable cgroup "
+                    "filesystem: the project's machines have both")
+    env = {"PATH": os.environ["PATH"], "ATTEND_MAX_INFLIGHT_BYTES": budget,
+           "ATTEND_MODEL_REPOSITORY": str(tmp_path / "nowhere")}  # then it stops: the warning comes before
+    try:
+        result = subprocess.run(["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "limited",
+                                 sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=60)
+    finally:
+        os.rmdir(folder)
+    assert result.returncode == 1, result.stderr
+    line = ("WARNING service [-] the memory limit (600 MiB, the cgroup's) is less than ATTEND_WORKERS=1 x (160 MiB + "
+            "1.5 x ATTEND_MAX_INFLIGHT_BYTES=1024 MiB): requests in flight together may have the process killed "
+            "rather than refused; set ATTEND_MAX_INFLIGHT_BYTES to at most 307582293 (293 MiB) (docs/reliability.md)")
+    assert (line in result.stderr) == said, result.stderr
+    assert ("memory limit" in result.stderr) == said, result.stderr
