@@ -7,7 +7,7 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from service.config import Settings
+from service.config import Settings, usable_cores
 from service.core.runtime import Registry, StartupError
 from service.http.app import create_app
 from service.http.schemas import toy_request
@@ -125,7 +125,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
 def test_intra_op_threads_past_the_cores_are_the_cores_and_said_so(tmp_path):
     """Before, ATTEND_INTRA_OP_THREADS=100000 made every session's pool that big: the start did not end in
     25 s, and SIGTERM meanwhile went unanswered (the loads were in ONNX Runtime's code)."""
-    usable = len(os.sched_getaffinity(0))
+    usable = usable_cores()  # taskset's cores, and a CPU quota's
     assert Settings(intra_op_threads=10**5).resolved_intra_op_threads() == usable
     assert Settings(intra_op_threads=1).resolved_intra_op_threads() == 1
     env = {"PATH": os.environ["PATH"], "ATTEND_INTRA_OP_THREADS": "100000",
