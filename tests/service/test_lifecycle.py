@@ -113,7 +113,8 @@ def _can_unshare_mounts() -> bool:
 
 
 @pytest.mark.skipif(not _can_unshare_mounts(), reason="a read-only root filesystem is made in a mount namespace, "
-                                                      "which needs root (CAP_SYS_ADMIN): the project's machines are")
+                                                      "which needs root (CAP_SYS_ADMIN): the project's machines run "
+                                                      "the tests as root")
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_read_only_root_filesystem_serves_over_http_and_grpc(repository, workers):
     """As a container with `readOnlyRootFilesystem` (no writable /tmp): /dev/shm is its own mount. Before, the
@@ -142,7 +143,8 @@ def test_a_read_only_root_filesystem_serves_over_http_and_grpc(repository, worke
 
 
 @pytest.mark.skipif(not _can_unshare_mounts(), reason="a read-only root filesystem is made in a mount namespace, "
-                                                      "which needs root (CAP_SYS_ADMIN): the project's machines are")
+                                                      "which needs root (CAP_SYS_ADMIN): the project's machines run "
+                                                      "the tests as root")
 def test_workers_with_no_writable_folder_at_all_stop_the_start_in_one_line(repository):
     no_shm = ["unshare", "-m", "sh", "-c",
               'mount -o remount,bind,ro / && mount -t tmpfs -o ro tmpfs /dev/shm && exec "$@"', "read-only"]
