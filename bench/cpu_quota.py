@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.load.report import write_section  # noqa: E402
-from tests.server import free_port  # noqa: E402
+from tests.server import free_port, limited_cgroup  # noqa: E402
 
 SECTION = "cpu_quota"
 
@@ -37,27 +37,16 @@ SECTION = "cpu_quota"
 @contextlib.contextmanager
 def quota_cgroup(cpus: float) -> Iterator[Path]:
     """A new cgroup allowed `cpus` CPUs' worth of time each 100 ms period, removed afterwards."""
-    name = f"attend-bench-{os.getpid()}"
     limit = round(cpus * 100_000)
-    for folder, file, value in ((Path("/sys/fs/cgroup") / name, "cpu.max", f"{limit} 100000"),
-                                (Path("/sys/fs/cgroup/cpu") / name, "cpu.cfs_quota_us", str(limit))):
-        try:
-            folder.mkdir()
-        except OSError:
-            continue
-        if (folder / "cgroup.procs").exists():  # a cgroup, not a folder of a tmpfs
-            with contextlib.suppress(OSError):  # v2 without the cpu controller: no cpu.max
-                (folder / file).write_text(value)
-                break
-        folder.rmdir()
-    else:
+    folder = limited_cgroup(("cpu.max", f"{limit} 100000"), ("cpu", "cpu.cfs_quota_us", str(limit)))
+    if folder is None:
         raise SystemExit("no writable cgroup filesystem (root, /sys/fs/cgroup or /sys/fs/cgroup/cpu)")
     try:
-        yield folder
+        yield Path(folder)
     finally:
         for _ in range(50):  # its processes are gone a moment after they exit
             with contextlib.suppress(OSError):
-                folder.rmdir()
+                os.rmdir(folder)
                 break
             time.sleep(0.1)
 

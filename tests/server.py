@@ -51,6 +51,27 @@ def uvicorn_in_thread(app, http, **config) -> Iterator[int]:
         thread.join(timeout=10)
 
 
+def limited_cgroup(v2: tuple[str, str], v1: tuple[str, str, str]) -> str | None:
+    """A new cgroup with the limit given (v2's file and value, or v1's controller, file and value) that a
+    process may be put in (root, a writable cgroup filesystem), or None. The caller removes it (rmdir)."""
+    name = f"attend-test-{os.getpid()}"
+    for folder, limit in ((f"/sys/fs/cgroup/{name}", v2), (f"/sys/fs/cgroup/{v1[0]}/{name}", v1[1:])):
+        try:
+            os.mkdir(folder)
+        except OSError:
+            continue
+        if not os.path.exists(os.path.join(folder, "cgroup.procs")):  # a plain folder: no cgroup filesystem there
+            os.rmdir(folder)
+            continue
+        try:
+            with open(os.path.join(folder, limit[0]), "w") as f:
+                f.write(limit[1])
+            return folder
+        except OSError:  # v2 without the controller: no such file
+            os.rmdir(folder)
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

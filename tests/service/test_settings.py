@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from service.config import TOOL_VARIABLES, UnknownSetting, check_environment, setting_names
-from tests.server import ROOT
+from tests.server import ROOT, limited_cgroup
 
 
 def _start(repository, **env: str) -> subprocess.CompletedProcess:
@@ -87,25 +87,9 @@ def test_a_cpu_quota_is_read_from_either_cgroup_version(tmp_path, own, files, qu
 
 
 def _quota_cgroup(v2: tuple[str, str] = ("cpu.max", "50000 100000"), v1: tuple[str, str, str] = (
-        "cpu", "cpu.cfs_quota_us", "50000")):
-    """A cgroup with the limit given (v2's file and value, or v1's controller, file and value; default half a
-    CPU) this test may put a process in (root, a writable cgroup filesystem), or None."""
-    name = f"attend-test-{os.getpid()}"
-    for folder, limit in ((f"/sys/fs/cgroup/{name}", v2), (f"/sys/fs/cgroup/{v1[0]}/{name}", v1[1:])):
-        try:
-            os.mkdir(folder)
-        except OSError:
-            continue
-        if not os.path.exists(os.path.join(folder, "cgroup.procs")):  # a plain folder: no cgroup filesystem there
-            os.rmdir(folder)
-            continue
-        try:
-            with open(os.path.join(folder, limit[0]), "w") as f:
-                f.write(limit[1])
-            return folder
-        except OSError:
-            os.rmdir(folder)
-    return None
+        "cpu", "cpu.cfs_quota_us", "50000")) -> str | None:
+    """tests.server.limited_cgroup, by default of half a CPU."""
+    return limited_cgroup(v2, v1)
 
 
 def test_a_cpu_quota_sets_the_threads_as_cores_would():
