@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from service.asgi import create_worker_app, with_grpc
 from service.config import (
     BUDGET_FACTOR,
+    CUDA_IDLE_BYTES,
     IDLE_BYTES,
     Settings,
     UnknownSetting,
@@ -141,16 +142,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
 def _warn_of_the_memory_limit(settings: Settings) -> None:
     """Past its cgroup's memory limit a process is killed, where the in-flight budget would have refused (503)."""
     limit = memory_limit()
-    need = settings.workers * (IDLE_BYTES + BUDGET_FACTOR * settings.max_inflight_bytes)
+    idle = CUDA_IDLE_BYTES if settings.device == "cuda" else IDLE_BYTES  # "auto" is not resolved yet
+    need = settings.workers * (idle + BUDGET_FACTOR * settings.max_inflight_bytes)
     if limit is None or limit >= need:
         return
     mib = 2**20
-    fits = (limit / settings.workers - IDLE_BYTES) / BUDGET_FACTOR
+    fits = (limit / settings.workers - idle) / BUDGET_FACTOR
     fix = (f"set ATTEND_MAX_INFLIGHT_BYTES to at most {int(fits)} ({fits / mib:.0f} MiB)" if fits >= 1024
            else "give it more memory, or fewer ATTEND_WORKERS")
     log.warning("the memory limit (%.0f MiB, the cgroup's) is less than ATTEND_WORKERS=%d x (%d MiB + %g x "
                 "ATTEND_MAX_INFLIGHT_BYTES=%.0f MiB): requests in flight together may have the process killed "
-                "rather than refused; %s (docs/reliability.md)", limit / mib, settings.workers, IDLE_BYTES // mib,
+                "rather than refused; %s (docs/reliability.md)", limit / mib, settings.workers, idle // mib,
                 BUDGET_FACTOR, settings.max_inflight_bytes / mib, fix)
 
 

@@ -167,7 +167,8 @@ class Settings(BaseSettings):
 _CGROUPS, _OWN_CGROUPS = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")
 # A worker's memory before any request (the idle process, its models and runtime) and per byte of its
 # in-flight budget at most (ONNX Runtime's arena keeps earlier runs' memory): docs/reliability.md's sizing.
-IDLE_BYTES, BUDGET_FACTOR = 160 * 2**20, 1.5
+# A CUDA worker holds ~0.75 GiB before any request (docs/benchmarks.md, "Many cores, one GPU").
+IDLE_BYTES, CUDA_IDLE_BYTES, BUDGET_FACTOR = 160 * 2**20, 800 * 2**20, 1.5
 
 
 def usable_cores() -> int:
