@@ -37,6 +37,7 @@ from export.repository import (
     list_versions,
     one_head_axis,
     read_config,
+    valid_name,
 )
 from export.repository import model_dir as folder_of
 from service.core import denormals
@@ -320,6 +321,9 @@ class Loader:
         """Load, check and warm up `name` (its newest version, or `version`). StartupError when it
         cannot be served, with the reason."""
         model_dir = folder_of(self.repository, name)
+        if model_dir is None and valid_name(name):  # a link the operator made, out of the repository
+            raise StartupError(f"model {name}: its folder links out of the repository; a model's folder must be "
+                               "inside it (copy the folder in, or make the repository itself the link)")
         if model_dir is None:
             raise StartupError(f"{name!r} is not a model's name: a name is {NAME_RULE}")
         if not (model_dir / CONFIG_FILE).is_file():
@@ -413,7 +417,8 @@ class Registry:
         if repository is not None and repository.is_dir():
             names |= {d.name for d in list_models(repository)}
         for name in sorted(names):
-            on_disk = list_versions(repository / name) if repository and (repository / name).is_dir() else []
+            folder = folder_of(repository, name) if repository else None  # None: a link out of the repository
+            on_disk = list_versions(folder) if folder and folder.is_dir() else []
             for version in sorted(set(on_disk) | set(self.versions.get(name, {}))):
                 if version in self.versions.get(name, {}):
                     rows.append({"name": name, "version": str(version), "state": "READY", "reason": ""})
@@ -422,8 +427,9 @@ class Registry:
                                  "reason": self.failed[(name, version)]})
                 else:
                     rows.append({"name": name, "version": str(version), "state": "", "reason": ""})
-            if not on_disk and name in self.broken and name not in self.versions:
-                rows.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": self.broken[name]})
+            reason = self.broken.get(name) or self.failed.get((name, 0))  # 0: no version could be read
+            if not on_disk and reason and name not in self.versions:
+                rows.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": reason})
         return rows
 
     @classmethod

@@ -5,6 +5,7 @@ bodies follow the exporter's rule and stay inside the repository; no answer show
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 
 import httpx
@@ -78,6 +79,33 @@ def test_a_name_may_not_lead_out_of_the_repository_by_a_link(tmp_path):
     (repository / "outside").symlink_to(tmp_path)
     assert model_dir(repository, "inside") == repository / "inside"
     assert model_dir(repository, "outside") is None
+
+
+def test_links_inside_the_repository_serve_and_one_out_of_it_is_said(repository, tmp_path):
+    """A repository that is a link (KServe's modelcar) and model folders linked inside it are served. A folder
+    linked out of it stopped the start with "'additive' is not a model's name"; now it says what is wrong."""
+    real, elsewhere = tmp_path / "real", tmp_path / "elsewhere"
+    shutil.copytree(repository / "dot_product", real / "..data" / "dot_product")  # hidden: not a model itself
+    (real / "dot_product").symlink_to("..data/dot_product")
+    shutil.copytree(repository / "additive", elsewhere / "additive")
+    (real / "additive").symlink_to(elsewhere / "additive")
+    (tmp_path / "models").symlink_to(real)
+    said = ("model additive: its folder links out of the repository; a model's folder must be inside it (copy the "
+            "folder in, or make the repository itself the link)")
+    log = tmp_path / "service.log"
+    with running_service(tmp_path / "models", log_path=log, ready_path="/health/live",  # ready: 503, one broken
+                         ATTEND_SKIP_BROKEN_MODELS="true", ATTEND_MODEL_CONTROL="true") as (url, _):
+        assert httpx.post(f"{url}/v2/repository/index").json() == [
+            {"name": "additive", "version": "", "state": "UNAVAILABLE", "reason": said},
+            {"name": "dot_product", "version": "1", "state": "READY", "reason": ""}]
+        load = httpx.post(f"{url}/v2/repository/models/additive/load")
+        assert (load.status_code, load.json()) == (400, {"error": said})
+        response = httpx.post(f"{url}/attend", json={"model": "dot_product", "queries": [[[1.0, 0.0]]],
+                                                    "keys": [[[1.0, 0.0], [0.0, 1.0]]],
+                                                    "values": [[[1.0], [3.0]]], "valid_lens": [1]})
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"] == [[[1.0]]]
+    assert f"ERROR service [-] skipping model additive: {said}" in log.read_text()
 
 
 @pytest.mark.parametrize("name", ["%2e%2e", "..%2fetc", "a%5cb", "%2e", "x%00y"])
