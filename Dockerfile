@@ -71,8 +71,8 @@ RUN if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then \
     && rm -rf /tmp/wheels
 COPY models ./models
 COPY export ./export
-# The exporter writes config.json and version folders owner-only (mkstemp/mkdtemp): the service runs
-# as another user, so make the repository world-readable (it stays owned by root, read-only for it).
+# The service runs as another user: make the repository world-readable whatever the build's umask gave
+# the files onnx writes (it stays owned by root, read-only for the service).
 RUN python -m export --repository /models && chmod -R a+rX /models
 
 # ---------------------------------------------------------------- runtime (the default target): no torch

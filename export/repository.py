@@ -348,10 +348,17 @@ def write_config(model_dir: Path, config: ModelConfig) -> None:
 
 
 def list_models(repository: Path) -> list[Path]:
-    """Model folders of a repository (hidden folders are exports in progress)."""
-    return sorted(
-        p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / CONFIG_FILE).exists()
-    )
+    """Model folders of a repository (hidden folders are exports in progress). A folder with a model's name
+    whose config.json cannot be looked at (permissions) is listed, so that its load says why; OSError when
+    the repository itself cannot be listed."""
+    return sorted(p for p in repository.iterdir() if not p.name.startswith(".") and p.is_dir() and _holds_config(p))
+
+
+def _holds_config(folder: Path) -> bool:
+    try:
+        return (folder / CONFIG_FILE).exists()
+    except OSError:  # e.g. owned by another user, mode 0700; lost+found, at a volume's root, is no model's name
+        return valid_name(folder.name)
 
 
 def valid_name(name: str) -> bool:

@@ -154,19 +154,25 @@ class ModelControl:
         loader = self.registry.loader
         if loader is None:
             return []
-        if not loader.repository.is_dir():  # moved, unmounted: what is loaded serves on
+        from export.repository import list_models
+
+        try:  # moved, unmounted, its permissions changed: what is loaded serves on
+            folders = list_models(loader.repository) if loader.repository.is_dir() else None
+        except OSError as e:
+            folders, why = None, f"cannot be read ({e.strerror})"
+        else:
+            why = "is not there"
+        if folders is None:
             if not self._repository_gone:
-                log.warning("the model repository %s is not there: the models loaded serve on, and nothing is "
-                            "reloaded until it is back", loader.repository)
+                log.warning("the model repository %s %s: the models loaded serve on, and nothing is reloaded until "
+                            "it is back", loader.repository, why)
             self._repository_gone = True
             return []
         if self._repository_gone:
             log.info("the model repository %s is back", loader.repository)
             self._repository_gone = False
-        from export.repository import list_models
-
         loaded = []
-        for model_dir in list_models(loader.repository):
+        for model_dir in folders:
             name = model_dir.name
             if name in self.unloaded:
                 continue  # until it is loaded again

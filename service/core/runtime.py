@@ -16,6 +16,7 @@ of the version are opened beside them, and each batch runs the fastest for its s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -57,6 +58,7 @@ from service.core.sessions import (  # noqa: F401  (CPU, CUDA, StartupError: nam
     CPU,
     CUDA,
     StartupError,
+    cannot_read,
     check_file,
     check_signature,
     open_session,
@@ -326,8 +328,11 @@ class Loader:
                                "inside it (copy the folder in, or make the repository itself the link)")
         if model_dir is None:
             raise StartupError(f"{name!r} is not a model's name: a name is {NAME_RULE}")
-        if not (model_dir / CONFIG_FILE).is_file():
-            raise StartupError(f"model {name}: no such model in the repository (no {name}/{CONFIG_FILE})")
+        try:
+            if not (model_dir / CONFIG_FILE).is_file():
+                raise StartupError(f"model {name}: no such model in the repository (no {name}/{CONFIG_FILE})")
+        except OSError as e:
+            raise StartupError(f"model {name}: {cannot_read(f'{name}/{CONFIG_FILE}', e)}") from None
         start = time.perf_counter()
         timing = self.graph_timing_s if self.warmup else 0.0
         model = load_model(model_dir, self.providers, self.intra_op_threads, require_cuda=self.device == "cuda",
@@ -415,10 +420,14 @@ class Registry:
         repository = self.loader.repository if self.loader else None
         names = set(self.versions) | set(self.broken)
         if repository is not None and repository.is_dir():
-            names |= {d.name for d in list_models(repository)}
+            with contextlib.suppress(OSError):  # unreadable now: what is loaded, and what failed
+                names |= {d.name for d in list_models(repository)}
         for name in sorted(names):
             folder = folder_of(repository, name) if repository else None  # None: a link out of the repository
-            on_disk = list_versions(folder) if folder and folder.is_dir() else []
+            try:
+                on_disk = list_versions(folder) if folder and folder.is_dir() else []
+            except OSError:  # not readable by the service: its reason is its failed load's
+                on_disk = []
             for version in sorted(set(on_disk) | set(self.versions.get(name, {}))):
                 if version in self.versions.get(name, {}):
                     rows.append({"name": name, "version": str(version), "state": "READY", "reason": ""})
@@ -445,7 +454,10 @@ class Registry:
             raise StartupError(f"model repository {repository} is a file, not a folder (ATTEND_MODEL_REPOSITORY)")
         if not repository.is_dir():
             raise StartupError(f"model repository {repository} does not exist (run `python -m export`)")
-        dirs = list_models(repository)
+        try:
+            dirs = list_models(repository)
+        except OSError as e:
+            raise StartupError(f"model repository {cannot_read(str(repository), e)}") from None
         if not dirs:
             raise StartupError(f"model repository {repository} has no models (run `python -m export`)")
         loader = Loader(repository, device, intra_op_threads, cuda_tf32, warmup, graph_timing_s, flush_denormals,

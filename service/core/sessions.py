@@ -4,6 +4,7 @@ loaded, why CUDA was not used where it was asked for, the file checked against c
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
 import os
@@ -145,11 +146,21 @@ def check_file(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int]
     file, sha256, _ = graph
     path = model_dir / file
     relative = f"{model_dir.name}/{file}"
-    if not path.is_file():
-        raise StartupError(f"model {config.name}: {relative} is missing")
-    digest = sha256_of(path)
+    try:
+        if not path.is_file():
+            raise StartupError(f"model {config.name}: {relative} is missing")
+        digest = sha256_of(path)
+    except OSError as e:
+        raise StartupError(f"model {config.name}: {cannot_read(relative, e)}") from None
     if digest != sha256:
         raise StartupError(f"model {config.name}: sha256 of {relative} is {digest}, config.json says {sha256}")
+
+
+def cannot_read(what: str, error: OSError) -> str:
+    """`what` cannot be read, and why; with a permission error the service's user, often not the one who
+    exported (a container's)."""
+    whom = f" (the service runs as uid {os.getuid()})" if error.errno in (errno.EACCES, errno.EPERM) else ""
+    return f"{what} cannot be read: {error.strerror or error}{whom}"
 
 
 def open_session(model_dir: Path, config: ModelConfig, graph: tuple[str, str, int], intra_op_threads: int,

@@ -82,6 +82,46 @@ def test_the_process_exits_1_with_one_line(repo_copy):
     assert "Traceback" not in result.stderr
 
 
+# Root reads past a file's mode; without its capabilities it is held to the mode as any user is.
+AS_ANY_USER = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+
+
+@pytest.mark.parametrize("unreadable, said", [
+    ("additive/1/model.onnx", "model additive: additive/1/model.onnx cannot be read: Permission denied"),
+    ("additive/1", "model additive: additive/1/model.onnx cannot be read: Permission denied"),
+    ("additive", "model additive: additive/config.json cannot be read: Permission denied"),
+    (".", "model repository {repo} cannot be read: Permission denied"),
+], ids=["file", "version", "model", "repository"])
+def test_a_repository_the_service_may_not_read_is_one_line(repo_copy, unreadable, said):
+    """A repository exported by one user and served by another (a container's uid) ended the start in a
+    traceback (PermissionError); now one line says which file, and as whom."""
+    path = repo_copy / unreadable
+    path.chmod(0)
+    env = os.environ | {"ATTEND_MODEL_REPOSITORY": str(repo_copy), "ATTEND_DEVICE": "cpu"}
+    try:
+        result = subprocess.run([*AS_ANY_USER, sys.executable, "-m", "service"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        path.chmod(0o755)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "CRITICAL" in line]
+    assert lines == [lines[0]] and lines[0].endswith(
+        f"cannot start: {said.format(repo=repo_copy)} (the service runs as uid {os.getuid()})"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_folder_no_model_could_be_named_is_passed_over_unread(repo_copy):
+    """A volume's root holds lost+found (root's, mode 0700): the start stopped in a traceback on it."""
+    (repo_copy / "lost+found").mkdir(mode=0)
+    try:
+        with running_service(repo_copy, prefix=AS_ANY_USER, ATTEND_MODEL_CONTROL="true") as (url, _):
+            assert httpx.get(f"{url}/v2/models/dot_product/ready").status_code == 200
+            index = httpx.post(f"{url}/v2/repository/index").json()
+            assert {row["name"] for row in index} == {d.name for d in repo_copy.iterdir()} - {"lost+found"}, index
+    finally:
+        (repo_copy / "lost+found").chmod(0o755)
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_taken_port_or_a_foreign_host_stops_the_start_before_the_models_load(repository, workers):
     """Before, a taken HTTP port was found once every model had loaded (and "ready" logged): uvicorn's
