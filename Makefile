@@ -116,9 +116,10 @@ bench: install $(REPOSITORY)  ## the service vs the plain server on varied bodie
 	$(PY) bench/run.py --repository $(REPOSITORY) --rounds 3 --duration 3 $(BENCH_ARGS) \
 		--results docs/benchmarks.json --out docs/benchmarks.md --headline README.md
 
-perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (W2, a concurrency sweep), over HTTP and gRPC
+perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (W2, a concurrency sweep), over HTTP, gRPC and its stream
 	bash bench/perf_analyzer.sh --protocol http --concurrency "1 2 4 8 16"
 	bash bench/perf_analyzer.sh --protocol grpc --concurrency "1 2 4 8 16"
+	bash bench/perf_analyzer.sh --protocol grpc-stream --concurrency "1 2 4 8 16"
 
 bench-ray: install-ray $(REPOSITORY)  ## python -m service against Ray Serve (1 and 2 replicas, each ingress mode)
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)

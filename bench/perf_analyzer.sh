@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # perf_analyzer, Triton's load tool, against the service's Open Inference Protocol, over HTTP (binary
-# tensors) or gRPC (raw contents, --protocol grpc): W2 (dot_product, 8 x 128 x 128 x 64, random 1-D valid
+# tensors), gRPC (raw contents, --protocol grpc) or gRPC's stream (ModelStreamInfer, --protocol grpc-stream): W2 (dot_product, 8 x 128 x 128 x 64, random 1-D valid
 # lengths), a concurrency sweep; with each point,
 # perf_analyzer's server-side breakdown (queue, compute input/infer/output), read from the service's
 # statistics extension (GET /v2/models/dot_product/stats).
 #
-#   bench/perf_analyzer.sh [--protocol http|grpc] [--url http://HOST:PORT [--grpc-url HOST:PORT] | --repository DIR]
+#   bench/perf_analyzer.sh [--protocol http|grpc|grpc-stream] [--url http://HOST:PORT [--grpc-url HOST:PORT] | --repository DIR]
 #                          [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50] [--max-memory-gb 16]
 #                          [--max-trials 6] [--out FILE]
 #
@@ -57,11 +57,11 @@ while [ $# -gt 0 ]; do
 done
 
 case $PROTOCOL in
-    http|grpc) ;;
-    *) echo "--protocol is http or grpc, not $PROTOCOL" >&2; exit 2 ;;
+    http|grpc|grpc-stream) ;;
+    *) echo "--protocol is http, grpc or grpc-stream, not $PROTOCOL" >&2; exit 2 ;;
 esac
-if [ "$PROTOCOL" = grpc ] && [ -n "$URL" ] && [ -z "$GRPC_URL" ]; then
-    echo "--protocol grpc with --url needs --grpc-url HOST:PORT (the service's ATTEND_GRPC_PORT)" >&2; exit 2
+if [ "$PROTOCOL" != http ] && [ -n "$URL" ] && [ -z "$GRPC_URL" ]; then
+    echo "--protocol $PROTOCOL with --url needs --grpc-url HOST:PORT (the service's ATTEND_GRPC_PORT)" >&2; exit 2
 fi
 
 # ------------------------------------------------------------------ the tool: wheel + Debian 13 runtime
@@ -111,7 +111,7 @@ json.dump({"data": rows}, open(sys.argv[1], "w"))
 EOF
 
 # ------------------------------------------------------------------ the service
-if [ "$PROTOCOL" = grpc ]; then SERVED="the service's gRPC at $GRPC_URL"; else SERVED="the service at $URL"; fi
+if [ "$PROTOCOL" != http ]; then SERVED="the service's gRPC at $GRPC_URL"; else SERVED="the service at $URL"; fi
 if [ -z "$URL" ]; then
     SERVED="\`python -m service\` (core 0, one ONNX Runtime thread, ATTEND_DEVICE=${ATTEND_DEVICE:-cpu})"
     PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
@@ -130,11 +130,12 @@ if [ -z "$URL" ]; then
 fi
 
 # ------------------------------------------------------------------ the sweep
-if [ "$PROTOCOL" = grpc ]; then  # tensors as raw_input_contents, outputs as raw_output_contents
-    TARGET=(-u "$GRPC_URL" -i grpc)
-else
-    TARGET=(-u "${URL#http://}" -i http --input-tensor-format binary --output-tensor-format binary)
-fi
+# tensors as raw_input_contents, outputs as raw_output_contents over gRPC; a stream per concurrent client
+case $PROTOCOL in
+    grpc) FLAGS="-i grpc"; TARGET=(-u "$GRPC_URL" -i grpc) ;;
+    grpc-stream) FLAGS="-i grpc --streaming"; TARGET=(-u "$GRPC_URL" -i grpc --streaming) ;;
+    http) FLAGS="-i http"; TARGET=(-u "${URL#http://}" -i http --input-tensor-format binary --output-tensor-format binary) ;;
+esac
 SERVER=""
 TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p99 ms |
 | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -184,8 +185,8 @@ EOF
 )
 done
 COMMAND="bench/perf_analyzer.sh --protocol $PROTOCOL --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
-if [ "$PROTOCOL" = grpc ]; then TENSORS="raw contents in and out"; else TENSORS="binary tensors in and out"; fi
-TEXT="perf_analyzer $VERSION (\`-i $PROTOCOL -b 8\`, $TENSORS, \`--input-data\` of W2's rows) against $SERVED; perf_analyzer on core 1. Command: \`$COMMAND\`.
+if [ "$PROTOCOL" != http ]; then TENSORS="raw contents in and out"; else TENSORS="binary tensors in and out"; fi
+TEXT="perf_analyzer $VERSION (\`$FLAGS -b 8\`, $TENSORS, \`--input-data\` of W2's rows) against $SERVED; perf_analyzer on core 1. Command: \`$COMMAND\`.
 
 $TABLE
 

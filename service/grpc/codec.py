@@ -50,7 +50,11 @@ def message_from(data: dict[str, Any], message: Any) -> Any:
 
 class GrpcCodec:
     """ModelInfer's codec (service.core.exchange.Codec): the body is the message, deserialized already by
-    grpc; errors are a status code and its details (service.grpc.status)."""
+    grpc; errors are a status code and its details (service.grpc.status). `stream`: the answer is
+    ModelStreamInfer's message, its ModelInferResponse made in place (wrapping it afterwards copies it)."""
+
+    def __init__(self, stream: bool = False):
+        self.stream = stream
 
     def check_media_type(self, headers: Any) -> None:
         return None  # grpc checked it
@@ -68,7 +72,7 @@ class GrpcCodec:
         model = find_model(core.registry, message.model_name, message.model_version or None, "model_name",
                            "model_version")
         try:
-            return decode_for(model, message, core.limits, cost)
+            return decode_for(model, message, core.limits, cost, self.stream)
         except ServiceError as e:
             e.model = model.name
             raise
@@ -77,8 +81,8 @@ class GrpcCodec:
         return details_of(error).encode()
 
 
-def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None
-               ) -> tuple[Request, Encoder]:
+def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None,
+               stream: bool = False) -> tuple[Request, Encoder]:
     inputs, raw = message.inputs, message.raw_input_contents
     if raw and len(raw) != len(inputs):
         raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs)} inputs: give every input's "
@@ -99,7 +103,7 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
     request = tensors_request(model, tensors, names, limits)
     request.held = cost.base if cost is not None else 0  # the message lives as long as the call
-    return request, _encoder(names, message.id)
+    return request, _encoder(names, message.id, stream)
 
 
 def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dtype, cost: Cost | None
@@ -116,14 +120,16 @@ def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dt
     return np.fromiter(values, dtype=dtype.newbyteorder("="), count=count).reshape(shape)
 
 
-def _encoder(names: list[str], request_id: str) -> Encoder:
+def _encoder(names: list[str], request_id: str, stream: bool) -> Encoder:
     def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
-        response = pb.ModelInferResponse(model_name=model.name, model_version=model.version_text, id=request_id)
+        body = pb.ModelStreamInferResponse() if stream else pb.ModelInferResponse()
+        response = body.infer_response if stream else body
+        response.model_name, response.model_version, response.id = model.name, model.version_text, request_id
         for name in names:
             array = outputs[name]
             response.outputs.add(name=name, datatype="FP32", shape=array.shape)
             response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
         # With the model that answered (the batch's snapshot): its statistics count the success.
-        return Answer(response, [], GRPC, model)
+        return Answer(body, [], GRPC, model)
 
     return encode

@@ -25,7 +25,7 @@ async def drain(guard: CallGuard, port: int, grace_s: float) -> float:
     this process sent from `port`; return the grace left for grpc's own stop."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
-    guard.stopping = True
+    guard.stop()
     while guard.unfinished and loop.time() < deadline:
         await asyncio.sleep(_POLL_S)
     quiet = 0  # polls in a row with nothing unacknowledged: two, so that a write under way is seen

@@ -19,6 +19,13 @@ does: the whole message must be in by then.
     calls not yet taken   ATTEND_MAX_OPEN_CONNECTIONS, then grpc drops calls at random until twice that
                           (CANCELLED, grpc's own early drop): a flood past what the event loop takes
 
+ModelStreamInfer, Triton's stream of inference calls, is a connection of its own kind: it stays open for as
+long as the client keeps it (as a gRPC connection does), and at most ATTEND_MAX_OPEN_CONNECTIONS are open at
+once. Each of its messages is a call, counted against ATTEND_MAX_CONNECTIONS while it is served. A message
+is awaited for as long as the stream is open: gRPC cannot tell a stream between messages from one whose
+message stalled, and a stalled one holds what it sent. At SIGTERM a stream takes no more messages: what is
+under way is answered, then the stream ends UNAVAILABLE.
+
 A connection's streams are not limited apart (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS): a client that opened
 more before the setting reached it had them reset, an UNAVAILABLE that said nothing of why; past the calls'
 bound each gets the message above at once, and its stream is closed. As with HTTP's connection guard, a
@@ -31,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -80,14 +87,36 @@ class CallGuard:
     """Counts the calls under way and reads each one's message within the time allowed."""
 
     def __init__(self, max_calls: int, message_timeout_s: float, refusals: Mapping[str, Any],
-                 gone: Callable[[str, float], None] = lambda name, seconds: None):
+                 gone: Callable[[str, float], None] = lambda name, seconds: None, max_streams: int = 4096):
         self.max_calls = max_calls
         self.message_timeout_s = message_timeout_s
         self.refusals = refusals
         self.gone = gone  # a call whose client went away while its message came: (method, seconds)
+        self.max_streams = max_streams
         self.calls = 0
+        self.streams = 0
         self.unfinished = 0  # the calls taken in whose answer grpc has not yet handed to its transport
         self.stopping = False  # SIGTERM (service.grpc.drain): every call but the probes refused
+        self._stopped = asyncio.Event()  # the same, for the streams waiting for a message
+
+    def stop(self) -> None:
+        """SIGTERM: refuse every new call but the probes, and end the streams once their calls are answered."""
+        self.stopping = True
+        self._stopped.set()
+
+    def take(self) -> ServiceError | None:
+        """A call begins: counted, or the reason it may not (`give` it back once it is answered)."""
+        if self.stopping:
+            return NotReady("the service is stopping; retry on another", headers={"Retry-After": "1"})
+        if self.calls >= self.max_calls:
+            self._refused("connections")
+            return Overloaded(f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
+                              headers={"Retry-After": "1"})
+        self.calls += 1
+        return None
+
+    def give(self) -> None:
+        self.calls -= 1
 
     def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
         taken = Handlers()
@@ -97,21 +126,18 @@ class CallGuard:
         server.add_registered_method_handlers(taken.service, guarded)
 
     def guarded(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        if handler.request_streaming or handler.response_streaming:
-            return handler  # ModelStreamInfer: not served (UNIMPLEMENTED at once), so nothing to guard
+        if handler.request_streaming:
+            return self.guarded_stream(name, handler)
         behavior, deserialize = handler.unary_unary, handler.request_deserializer
         exempt = name in HEALTH
 
         async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            if not exempt and self.stopping:
-                return _end(context, name, NotReady("the service is stopping; retry on another",
-                                                    headers={"Retry-After": "1"}))
-            if not exempt and self.calls >= self.max_calls:
-                self._refused("connections")
-                return _end(context, name, Overloaded(
-                    f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
-                    headers={"Retry-After": "1"}))
-            self.calls += 1
+            if exempt:
+                self.calls += 1
+            else:
+                refusal = self.take()
+                if refusal is not None:
+                    return _end(context, name, refusal)
             self.unfinished += 1
             context.add_done_callback(self._finished)  # once grpc has sent the answer and the status
             started = time.perf_counter()
@@ -141,6 +167,62 @@ class CallGuard:
         call.__name__ = name
         return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
+
+    def guarded_stream(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """A stream of calls (ModelStreamInfer): the servicer's method gets its messages as (request, size),
+        each counted as a call already (it gives it back), or as (the reason it was refused, size)."""
+        behavior, deserialize = handler.stream_stream, handler.request_deserializer
+
+        async def call(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            if self.stopping:
+                return _end(context, name, NotReady("the service is stopping; retry on another",
+                                                    headers={"Retry-After": "1"}))
+            if self.streams >= self.max_streams:
+                self._refused("connections")
+                return _end(context, name, Overloaded(
+                    f"{self.max_streams} streams are open (ATTEND_MAX_OPEN_CONNECTIONS); retry shortly",
+                    headers={"Retry-After": "1"}))
+            self.streams += 1
+            self.unfinished += 1
+            context.add_done_callback(self._finished)
+            try:
+                await behavior(self._messages(name, context, deserialize), context)
+                if self.stopping:
+                    _end(context, name, NotReady("the service is stopping; open the stream again on another",
+                                                 headers={"Retry-After": "1"}))
+            finally:
+                self.streams -= 1
+
+        call.__name__ = name
+        return grpc.stream_stream_rpc_method_handler(call, request_deserializer=None,
+                                                     response_serializer=handler.response_serializer)
+
+    async def _messages(self, name: str, context: grpc.aio.ServicerContext, deserialize: Callable[[bytes], Any]
+                        ) -> AsyncIterator[tuple[Any, int]]:
+        """A stream's messages, until the client half-closes it or the service stops."""
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait((read, stopped), return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    return
+                message = read.result()
+                if message is grpc.aio.EOF:
+                    return
+                refusal = self.take()
+                if refusal is not None:
+                    yield refusal, len(message)
+                    continue
+                try:
+                    request = deserialize(message)
+                except DecodeError:
+                    self.give()
+                    request = InvalidRequest(f"{name}: a message is not an inference.ModelInferRequest")
+                yield request, len(message)
+        finally:
+            stopped.cancel()
 
     def _finished(self, context: grpc.aio.ServicerContext) -> None:
         self.unfinished -= 1

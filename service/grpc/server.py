@@ -12,7 +12,8 @@ statistics, errors as status codes (service.grpc.status).
 
     ServerLive, ServerReady                   open, as HTTP's health probes
     ModelReady, ServerMetadata, ModelMetadata,
-    ModelConfig, ModelStatistics, ModelInfer  the API key, where ATTEND_API_KEYS is set
+    ModelConfig, ModelStatistics, ModelInfer,
+    ModelStreamInfer                          the API key, where ATTEND_API_KEYS is set
     RepositoryIndex, RepositoryModelLoad,
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
     everything else                           UNIMPLEMENTED
@@ -20,7 +21,8 @@ statistics, errors as status codes (service.grpc.status).
 Transport limits (service.grpc.guard, as HTTP's connection guard): at most ATTEND_MAX_CONNECTIONS calls
 under way (UNAVAILABLE past it; health calls exempt), each call's message within ATTEND_BODY_TIMEOUT_S
 (DEADLINE_EXCEEDED) and of at most ATTEND_MAX_BODY_BYTES (RESOURCE_EXHAUSTED), ATTEND_MAX_OPEN_CONNECTIONS
-connections. A client that cancels, or goes away, is counted as HTTP counts it: 499.
+connections; ModelStreamInfer's streams at most ATTEND_MAX_OPEN_CONNECTIONS, each message a call. A client
+that cancels, or goes away, is counted as HTTP counts it: 499.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -48,13 +50,14 @@ from service.grpc.drain import drain
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.proto import model_config_pb2
-from service.grpc.status import CODES, end_call
+from service.grpc.status import CODES, details_of, end_call
 from service.protocols.v2 import config, extensions, metadata
 
 log = logging.getLogger("service")
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _CODEC = codec.GrpcCodec()
+_STREAM_CODEC = codec.GrpcCodec(stream=True)
 _INFER = "inference.GRPCInferenceService/ModelInfer"  # the request span's name and rpc.method
 # The codes OpenTelemetry's conventions count as a gRPC server's error (the others are the client's).
 _SERVER_ERRORS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
@@ -117,6 +120,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         self.version = version
         self.max_batch = settings.max_batch
         self.in_progress = _Count()  # ModelInfer calls under way: the batching's load hint
+        self.calls: guard.CallGuard | None = None  # the server's guard, which counts a stream's messages
 
     def _key(self, context: grpc.aio.ServicerContext) -> None:
         keys = self.dataplane.api_keys
@@ -222,6 +226,47 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             context.set_trailing_metadata((("x-request-id", exchange.rid), ("traceresponse", exchange.traceresponse)))
         return exchange.answer
 
+    async def ModelStreamInfer(self, messages: AsyncIterator[tuple[Any, int]],  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> None:
+        """Triton's stream: each message a ModelInfer, served as it comes, its answer (or its error, as
+        `error_message`) written as soon as it is ready, so in the order they finish (`id` pairs them).
+        An error ends only its own request. Returns once the client half-closed and all are answered."""
+        writing = asyncio.Lock()  # one message at a time on the stream
+        tasks: set[asyncio.Task] = set()
+        try:
+            async for item, size in messages:
+                if isinstance(item, ServiceError):
+                    # Refused by the guard, and not counted as a call: said before the next message is read,
+                    # so that a client that sends and does not read is held back (grpc's flow control).
+                    log_access("GRPC", "ModelStreamInfer", item.status, 0.0)
+                    try:
+                        await StreamExchange(pb.ModelInferRequest(), context, writing).refuse(item)
+                    except _StreamClosed:
+                        break
+                    continue
+                task = asyncio.ensure_future(self._one_of_stream(item, size, context, writing))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.wait(set(tasks))
+        finally:
+            for task in tasks:  # the stream was cancelled, or the client went away: theirs too
+                task.cancel()
+
+    async def _one_of_stream(self, item: pb.ModelInferRequest, size: int, context: grpc.aio.ServicerContext,
+                             writing: asyncio.Lock) -> None:
+        """One message the guard counted as a call: served, and its call given back."""
+        guard.message_size.set(size)  # this task's own context
+        self.in_progress.n += 1
+        try:
+            await self.dataplane.serve(StreamExchange(item, context, writing))
+        except _StreamClosed:
+            pass  # the client went away: counted by serve
+        finally:
+            self.in_progress.n -= 1
+            assert self.calls is not None
+            self.calls.give()
+
 
 class GrpcExchange:
     """One ModelInfer call, for service.core.exchange.serve: the message is the body; the answer is
@@ -232,6 +277,7 @@ class GrpcExchange:
     protocol = "grpc"
     method = "GRPC"
     codec = _CODEC
+    rpc = _INFER
     disconnected = None  # grpc cancels the call's task instead
 
     def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
@@ -279,7 +325,7 @@ class GrpcExchange:
     # Tracing (service.core.tracing; only while it is on): OpenTelemetry's conventions for RPC servers (gRPC).
 
     def span_start(self) -> tuple[str, dict[str, Any], str]:
-        attributes: dict[str, Any] = {"rpc.system.name": "grpc", "rpc.method": _INFER}
+        attributes: dict[str, Any] = {"rpc.system.name": "grpc", "rpc.method": self.rpc}
         peer = self.context.peer() or ""  # "ipv4:127.0.0.1:53536", "ipv6:[::1]:53536"
         kind, _, address = peer.partition(":")
         if kind in ("ipv4", "ipv6"):
@@ -288,7 +334,7 @@ class GrpcExchange:
             if port.isdigit():
                 attributes["client.port"] = int(port)
         form = "grpc raw" if self.message.raw_input_contents else "grpc contents"
-        return _INFER, attributes, form
+        return self.rpc, attributes, form
 
     def span_end(self, status: int) -> tuple[dict[str, Any], bool]:
         code = CODES.get(status or 499, grpc.StatusCode.INTERNAL) if status != 200 else grpc.StatusCode.OK
@@ -296,6 +342,41 @@ class GrpcExchange:
 
     def traced(self, traceresponse: str) -> None:
         self.traceresponse = traceresponse
+
+
+class _StreamClosed(Exception):
+    """An answer for a stream that has ended (the client cancelled it, or went away)."""
+
+
+class StreamExchange(GrpcExchange):
+    """One message of a ModelStreamInfer call: the answer and the error are messages on the stream."""
+
+    __slots__ = ("writing",)
+    codec = _STREAM_CODEC
+    rpc = "inference.GRPCInferenceService/ModelStreamInfer"
+
+    def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext, writing: asyncio.Lock):
+        super().__init__(message, context)
+        self.writing = writing
+
+    def path(self, model: str) -> str:
+        return f"ModelStreamInfer {model}"
+
+    async def send(self, answer: Answer) -> None:
+        await self._write(answer.body)
+
+    async def refuse(self, error: ServiceError) -> None:
+        message = self.message
+        answer = pb.ModelStreamInferResponse(error_message=details_of(error))
+        answer.infer_response.id, answer.infer_response.model_name = message.id, message.model_name
+        answer.infer_response.model_version = message.model_version
+        await self._write(answer)
+
+    async def _write(self, body: pb.ModelStreamInferResponse) -> None:
+        async with self.writing:
+            if self.context.done():
+                raise _StreamClosed
+            await self.context.write(body)
 
 
 def _unimplemented(name: str) -> Handler:
@@ -308,7 +389,7 @@ def _unimplemented(name: str) -> Handler:
     return call
 
 
-# What the service does not serve (streaming, shared memory, trace and log settings) answers UNIMPLEMENTED
+# What the service does not serve (shared memory, trace and log settings) answers UNIMPLEMENTED
 # itself: the generated base class's methods raise NotImplementedError, run on a thread, and are logged
 # with a traceback by grpc.
 for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():
@@ -374,8 +455,9 @@ class GRPCServer:
         server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
                                                        self.shared_port))
         servicer = Servicer(dataplane, settings, self.version)
-        self.calls = calls = guard.CallGuard(settings.max_connections, settings.body_timeout_s,
-                                             dataplane.metrics.refusals, functools.partial(_gone_early, dataplane))
+        self.calls = servicer.calls = calls = guard.CallGuard(
+            settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
+            functools.partial(_gone_early, dataplane), settings.max_open_connections)
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
         try:
             port = server.add_insecure_port(self.address)

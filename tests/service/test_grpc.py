@@ -286,8 +286,6 @@ def test_errors_are_status_codes_naming_the_input(server):
         code, details = _error(lambda: stub.ModelInfer(_raw_request("additive", tensors),
                                                        metadata=[("x-request-timeout-ms", "soon")]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "X-Request-Timeout-Ms" in details
-        assert _error(lambda: stub.ModelStreamInfer(iter([request])).next()) == (
-            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement ModelStreamInfer")
         assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())) == (
             grpc.StatusCode.UNIMPLEMENTED, "this server does not implement SystemSharedMemoryStatus")
         # Model control is off here: the repository calls are NOT_FOUND, as HTTP's routes are 404.

@@ -1,5 +1,5 @@
 """Triton's perf_analyzer (2.60, the binary itself, through Debian 13's loader) drives the service's
-Open Inference Protocol, over HTTP and over gRPC: a short sweep, the binary's exit status checked, a table
+Open Inference Protocol, over HTTP, gRPC and gRPC's stream: a short sweep, the binary's exit status checked, a table
 of real numbers, and its server-side breakdown from the service's statistics extension."""
 
 import os
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
                     reason="not a Debian machine (no apt-get or dpkg-deb): the script runs perf_analyzer "
                            "through Debian 13's libc, which it fetches with them")
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-stream"])
 def test_perf_analyzer_runs_against_the_service(repository, protocol):
     command = ["bash", "bench/perf_analyzer.sh", "--protocol", protocol, "--repository", str(repository),
                "--concurrency", "1 2",
@@ -44,7 +44,8 @@ def test_perf_analyzer_runs_against_the_service(repository, protocol):
             break
         print(result.stdout[-1000:], result.stderr[-1000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"(`-i {protocol} -b 8`" in result.stdout, result.stdout[:500]
+    flags = {"grpc-stream": "-i grpc --streaming"}.get(protocol, f"-i {protocol}")
+    assert f"(`{flags} -b 8`" in result.stdout, result.stdout[:500]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"], result.stdout
     assert all(int(r[1]) > 0 and int(r[2]) == pytest.approx(8 * int(r[1]), abs=8) for r in rows)

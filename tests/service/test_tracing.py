@@ -274,6 +274,23 @@ def test_grpc_model_infer(traced, receiver):
     check_stages(receiver, request, "grpc raw")
 
 
+def test_grpc_model_stream_infer(traced, receiver):
+    """Each message of a stream is a request span, a child of the stream's traceparent."""
+    _, address, _ = traced
+    parent, trace_id, span_id = traceparent()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answers = list(stub.ModelStreamInfer(iter([_grpc_request()]), metadata=(
+            ("traceparent", parent), ("authorization", f"Bearer {KEY}"))))
+    assert [a.error_message for a in answers] == [""]
+    request = server_span(receiver, trace_id)
+    assert (request.name, request.parent) == ("inference.GRPCInferenceService/ModelStreamInfer", span_id)
+    a = request.attributes
+    assert (a["rpc.method"], a["rpc.response.status_code"]) == (
+        "inference.GRPCInferenceService/ModelStreamInfer", "OK")
+    check_stages(receiver, request, "grpc raw")
+
+
 def test_a_merged_batch_is_one_span_linked_to_each_request(traced, receiver):
     """Four clients at a barrier, one model, different n_k: a run that merged several of them is one span,
     linked to each request's span; each request's share (infer) links back to it."""

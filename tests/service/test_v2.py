@@ -63,8 +63,8 @@ def _bodies():
     return bodies
 
 
-def _expected(url, body):
-    response = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"})
+def _expected(url, body, headers=None):
+    response = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"} | (headers or {}))
     assert response.status_code == 200, response.text
     return response.json()
 
