@@ -201,12 +201,12 @@ class CallGuard:
                         ) -> AsyncIterator[tuple[Any, int]]:
         """A stream's messages, until the client half-closes it or the service stops."""
         stopped = asyncio.ensure_future(self._stopped.wait())
+        read: asyncio.Future | None = None
         try:
             while True:
                 read = asyncio.ensure_future(context.read())
                 await asyncio.wait((read, stopped), return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
-                    read.cancel()
                     return
                 message = read.result()
                 if message is grpc.aio.EOF:
@@ -221,8 +221,10 @@ class CallGuard:
                     self.give()
                     request = InvalidRequest(f"{name}: a message is not an inference.ModelInferRequest")
                 yield request, len(message)
-        finally:
+        finally:  # the service stops, or the call was cancelled: the read ends with it
             stopped.cancel()
+            if read is not None:
+                read.cancel()
 
     def _finished(self, context: grpc.aio.ServicerContext) -> None:
         self.unfinished -= 1

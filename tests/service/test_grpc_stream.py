@@ -32,12 +32,14 @@ STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 @pytest.fixture(scope="module")
-def server(repository):
-    """(HTTP URL, gRPC address, process) of one service with an API key."""
+def server(repository, tmp_path_factory):
+    """(HTTP URL, gRPC address, process) of one service with an API key. Its log, at the end: no traceback."""
     port = free_port()
-    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
+    log = tmp_path_factory.mktemp("stream") / "service.log"
+    with running_service(repository, log_path=log, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
                          ATTEND_API_KEYS=KEY) as (url, proc):
         yield url, f"127.0.0.1:{port}", proc
+    assert "Traceback" not in log.read_text() and "never retrieved" not in log.read_text()
 
 
 def _stream(client, headers=None):
@@ -141,14 +143,15 @@ def test_a_client_that_sends_and_does_not_read_is_held_back(server):
         "unknown model 'nope'", "512 calls are under way (ATTEND_MAX_CONNECTIONS)"}
 
 
-def test_the_bounds_hold_per_message_and_per_stream_and_a_cancelled_call_is_gone(repository):
+def test_the_bounds_hold_per_message_and_per_stream_and_a_cancelled_call_is_gone(repository, tmp_path):
     """ATTEND_MAX_CONNECTIONS=1: a stream's second message while its first runs is refused, on the stream,
     which goes on. ATTEND_MAX_OPEN_CONNECTIONS=1: a second stream is refused at once. A stream cancelled
     with a call under way: counted as gone (499)."""
     port = free_port()
-    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
-                         ATTEND_MAX_CONNECTIONS="1", ATTEND_MAX_OPEN_CONNECTIONS="1") as (url, _):
+    with running_service(repository, log_path=tmp_path / "service.log", ATTEND_GRPC_PORT=str(port),
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20),
+                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30), ATTEND_MAX_CONNECTIONS="1",
+                         ATTEND_MAX_OPEN_CONNECTIONS="1") as (url, _):
         client, inputs, outputs, _, q = _slow_call(port)
         answers = _stream(client)
         client.async_stream_infer("dot_product", inputs, outputs=outputs, request_id="slow")
@@ -184,13 +187,14 @@ def test_the_bounds_hold_per_message_and_per_stream_and_a_cancelled_call_is_gone
         result, error = answers.get(timeout=30)
         assert error is None and result.get_response().id == "again"
         client.stop_stream()
+    assert "Traceback" not in (tmp_path / "service.log").read_text()
 
 
-def test_sigterm_answers_the_streams_call_then_ends_the_stream(repository):
+def test_sigterm_answers_the_streams_call_then_ends_the_stream(repository, tmp_path):
     port = free_port()
-    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),
-                         ATTEND_GRACE_PERIOD_S="30") as (url, proc):
+    with running_service(repository, log_path=tmp_path / "service.log", ATTEND_GRPC_PORT=str(port),
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20),
+                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30), ATTEND_GRACE_PERIOD_S="30") as (url, proc):
         client, inputs, outputs, _, q = _slow_call(port)
         answers = _stream(client)
         client.async_stream_infer("dot_product", inputs, outputs=outputs, request_id="slow")
@@ -208,3 +212,4 @@ def test_sigterm_answers_the_streams_call_then_ends_the_stream(repository):
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
         assert time.monotonic() - signalled < 15, "the open stream held the stop until the grace period"
         client.stop_stream()
+    assert "Traceback" not in (tmp_path / "service.log").read_text()
