@@ -107,7 +107,7 @@ class CallGuard:
     def take(self) -> ServiceError | None:
         """A call begins: counted, or the reason it may not (`give` it back once it is answered)."""
         if self.stopping:
-            return NotReady("the service is stopping; retry on another", headers={"Retry-After": "1"})
+            return _stopping("retry on another")
         if self.calls >= self.max_calls:
             self._refused("connections")
             return Overloaded(f"{self.max_calls} calls are under way (ATTEND_MAX_CONNECTIONS); retry shortly",
@@ -175,8 +175,7 @@ class CallGuard:
 
         async def call(requests: Any, context: grpc.aio.ServicerContext) -> None:
             if self.stopping:
-                return _end(context, name, NotReady("the service is stopping; retry on another",
-                                                    headers={"Retry-After": "1"}))
+                return _end(context, name, _stopping("retry on another"))
             if self.streams >= self.max_streams:
                 self._refused("connections")
                 return _end(context, name, Overloaded(
@@ -188,8 +187,7 @@ class CallGuard:
             try:
                 await behavior(self._messages(name, context, deserialize), context)
                 if self.stopping:
-                    _end(context, name, NotReady("the service is stopping; open the stream again on another",
-                                                 headers={"Retry-After": "1"}))
+                    _end(context, name, _stopping("open the stream again on another"))
             finally:
                 self.streams -= 1
 
@@ -233,6 +231,10 @@ class CallGuard:
         counter = self.refusals.get(reason)
         if counter is not None:
             counter.inc()
+
+
+def _stopping(advice: str) -> NotReady:
+    return NotReady(f"the service is stopping; {advice}", headers={"Retry-After": "1"})
 
 
 def _end(context: grpc.aio.ServicerContext, name: str, error: ServiceError) -> None:
