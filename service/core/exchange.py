@@ -140,7 +140,8 @@ async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list, s
     cost = core.cost()
     try:
         codec.check_media_type(x.headers)
-        until = core.deadline(x.timeout_ms, x.arrived)
+        arrived = x.arrived if x.arrived is not None else time.monotonic()
+        until = core.deadline(x.timeout_ms, arrived)
         latest = x.latest()
         if latest is not None and latest < until:
             until = latest
@@ -164,6 +165,8 @@ async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list, s
                 stamps.decode = (stamps.decode[0], time.perf_counter())  # type: ignore[index]
         model = outcome[0] = request.model.name
         version = request.model.config.version
+        if request.timeout_s is not None and arrived + request.timeout_s < until:
+            until = arrived + request.timeout_s
         answer = await core.infer(request, until, encode, x.disconnected, cost, stamps)
     except ServiceError as e:
         # Its traceback holds the frames it passed through, and they what they held: the body, its

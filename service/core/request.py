@@ -34,6 +34,7 @@ class Request:
     # stages after the decode to keep what they work out from the shapes alone (service.core.batching.Job).
     memo: dict[str, Any] | None = None
     held: int = 0  # bytes of the body its feed still reads (binary tensors read in place), for its cost
+    timeout_s: float | None = None  # the body's own bound from its arrival (the protocol's `timeout` parameter)
 
 
 SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})

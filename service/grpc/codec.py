@@ -36,6 +36,7 @@ from service.protocols.v2 import (
     input_shape,
     requested,
     tensors_request,
+    timeout_s,
 )
 
 GRPC = b"application/grpc"
@@ -103,7 +104,18 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
     request = tensors_request(model, tensors, names, limits)
     request.held = cost.base if cost is not None else 0  # the message lives as long as the call
+    if "timeout" in message.parameters:
+        request.timeout_s = _timeout(message.parameters["timeout"])
     return request, _encoder(names, message.id, stream)
+
+
+def _timeout(parameter: Any) -> float | None:
+    kind = parameter.WhichOneof("parameter_choice")
+    value = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else None
+    if value is None or value < 0:
+        raise BadRequest("parameter timeout must be a non-negative int64_param (microseconds), got "
+                         f"{kind or 'no value'}{f' {value}' if value is not None else ''}")
+    return timeout_s(value)
 
 
 def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dtype, cost: Cost | None

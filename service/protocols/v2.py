@@ -129,6 +129,11 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def timeout_s(microseconds: int) -> float | None:
+    """Triton's `timeout` request parameter: the request's bound in microseconds, 0 for none (as Triton)."""
+    return microseconds / 1e6 if microseconds else None
+
+
 def _flag(parameters: Any, name: str, default: bool = False) -> bool:
     value = parameters.get(name, default) if isinstance(parameters, dict) else default
     if not isinstance(value, bool):
@@ -398,6 +403,8 @@ class InferCodec:
             outputs = outputs.as_list()
         wanted = requested(outputs, model, _flag(parameters, "binary_data_output"))
         request = tensors_request(model, tensors, [n for n, _ in wanted], limits)
+        if isinstance(parameters, dict) and "timeout" in parameters:
+            request.timeout_s = timeout_s(_int(parameters["timeout"], "parameter timeout"))
         if split < len(body):
             request.held = len(body)  # binary tensors read in place: the body lives as long as they do
         return request, _encoder(model, wanted, request_id)

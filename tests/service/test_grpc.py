@@ -13,6 +13,7 @@ stubs tritonclient ships (tritonclient.grpc.service_pb2): this process never imp
 import asyncio
 import json
 import math
+import queue
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
@@ -286,6 +288,14 @@ def test_errors_are_status_codes_naming_the_input(server):
         code, details = _error(lambda: stub.ModelInfer(_raw_request("additive", tensors),
                                                        metadata=[("x-request-timeout-ms", "soon")]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "X-Request-Timeout-Ms" in details
+        for value, said in ((-1, "int64_param -1"), ("soon", "string_param")):
+            request = _raw_request("additive", tensors)
+            if isinstance(value, int):
+                request.parameters["timeout"].int64_param = value
+            else:
+                request.parameters["timeout"].string_param = value
+            assert _error(lambda request=request: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT, (
+                f"parameter timeout must be a non-negative int64_param (microseconds), got {said}"))
         assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())) == (
             grpc.StatusCode.UNIMPLEMENTED, "this server does not implement SystemSharedMemoryStatus")
         # Model control is off here: the repository calls are NOT_FOUND, as HTTP's routes are 404.
@@ -503,7 +513,7 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
                          ATTEND_MAX_WEIGHT_ELEMENTS=str(64 << 20), ATTEND_MAX_INFLIGHT_BYTES=str(32 << 30),
                          ATTEND_MAX_BATCH_ROWS="3", ATTEND_INFERENCE_THREADS="1", ATTEND_INLINE_RUN_US="0",
                          ATTEND_ALONE_INLINE_RUN_US="0") as (url, _):
-        client, inputs, outputs, alone, _ = _slow_call(port)
+        client, inputs, outputs, alone, q = _slow_call(port)
         # Slow calls that run for `alone` each, one after the other, and a small one behind them, waiting
         # for the inference thread: cancelled once it is admitted (cancelled at a guessed time, it raced its
         # run's end, which now and then came first). Small, so that it is taken in at once: a third slow
@@ -545,14 +555,32 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
         assert _grpc_count(url, 499) == 1, [x for x in httpx.get(f"{url}/metrics").text.splitlines()
                                             if "attend_requests_total" in x and 'protocol="grpc"' in x]
         assert 'attend_client_gone_total{model="dot_product"} 1.0' in httpx.get(f"{url}/metrics").text
-        # The service's own deadline, asked for in metadata: the call ends while its batch runs.
+        # The service's own deadline, asked for in metadata, and as Triton's `timeout` parameter (microseconds;
+        # tritonclient's `timeout`), over gRPC, its stream and HTTP: the call ends while its batch runs.
         with pytest.raises(InferenceServerException) as error:
             client.infer("dot_product", inputs, outputs=outputs, headers={"x-request-timeout-ms": "30"})
         assert error.value.status() == "StatusCode.DEADLINE_EXCEEDED"
         assert "deadline passed" in error.value.message()
-        assert _grpc_count(url, 504) == 1
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("dot_product", inputs, outputs=outputs, timeout=30_000)
+        assert error.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "deadline passed" in error.value.message()
+        answers = queue.Queue()
+        client.start_stream(lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("dot_product", inputs, outputs=outputs, timeout=30_000)
+        result, error = answers.get(timeout=30)
+        client.stop_stream()
+        assert result is None and "deadline passed" in error.message()
+        assert _grpc_count(url, 504) == 3
+        http_inputs = [httpclient.InferInput(name, list(q.shape), "FP32") for name in ("queries", "keys", "values")]
+        for tensor in http_inputs:
+            tensor.set_data_from_numpy(q, binary_data=True)
+        with pytest.raises(InferenceServerException) as error:
+            httpclient.InferenceServerClient(url.removeprefix("http://")).infer(
+                "dot_product", http_inputs, outputs=[httpclient.InferRequestedOutput("outputs")], timeout=30_000)
+        assert error.value.status() == "504" and "deadline passed" in error.value.message()
         stats = client.get_inference_statistics("dot_product", as_json=True)["model_stats"][0]["inference_stats"]
-        assert int(stats["fail"]["count"]) == 2 and int(stats["success"]["count"]) == 2 + len(ahead)
+        assert int(stats["fail"]["count"]) == 5 and int(stats["success"]["count"]) == 2 + len(ahead)
 
 
 def test_sigterm_drains_a_call_in_flight(repository):
