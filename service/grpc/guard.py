@@ -10,8 +10,9 @@ message within ATTEND_BODY_TIMEOUT_S, deserializes it as grpc would have, and ha
 method. gRPC shows no part of a message before the whole of it, so there is no rate to check as HTTP
 does: the whole message must be in by then.
 
-    calls under way       at most ATTEND_MAX_CONNECTIONS (ServerLive and ServerReady exempt, as HTTP's
-                          health probes): UNAVAILABLE with retry-after 1, attend_refused{reason="connections"}
+    calls under way       at most ATTEND_MAX_CONNECTIONS (ServerLive, ServerReady and grpc.health.v1's
+                          Check and List exempt, as HTTP's health probes): UNAVAILABLE with retry-after 1,
+                          attend_refused{reason="connections"}
     a message not in      within ATTEND_BODY_TIMEOUT_S: DEADLINE_EXCEEDED (HTTP's 408),
                           attend_refused{reason="body_timeout"}
     a message too large   over ATTEND_MAX_BODY_BYTES: RESOURCE_EXHAUSTED (grpc's own check, as it arrives)
@@ -48,7 +49,7 @@ from service.core.errors import InvalidRequest, NotReady, Overloaded, RequestTim
 from service.core.logs import log_access
 from service.grpc.status import end_call
 
-HEALTH = frozenset({"ServerLive", "ServerReady"})
+HEALTH = frozenset({"ServerLive", "ServerReady", "Check", "List"})  # Triton's probes, and grpc.health.v1's
 # The size of the call's message as it came (the handler's task's): what ModelInfer holds against the
 # in-flight budget. Kept, because protobuf's ByteSize() would walk a message of tensors again to find it.
 message_size: contextvars.ContextVar[int] = contextvars.ContextVar("message_size", default=0)
@@ -128,6 +129,8 @@ class CallGuard:
     def guarded(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if handler.request_streaming:
             return self.guarded_stream(name, handler)
+        if handler.response_streaming:
+            return handler  # grpc.health.v1's Watch: not served (UNIMPLEMENTED at once), so nothing to guard
         behavior, deserialize = handler.unary_unary, handler.request_deserializer
         exempt = name in HEALTH
 

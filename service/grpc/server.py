@@ -16,6 +16,7 @@ statistics, errors as status codes (service.grpc.status).
     ModelStreamInfer                          the API key, where ATTEND_API_KEYS is set
     RepositoryIndex, RepositoryModelLoad,
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
+    grpc.health.v1.Health Check, List         open: SERVING while ready (gRPC's standard health checking)
     everything else                           UNIMPLEMENTED
 
 Transport limits (service.grpc.guard, as HTTP's connection guard): at most ATTEND_MAX_CONNECTIONS calls
@@ -35,11 +36,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.config import Settings
 from service.core.cost import Cost
 from service.core.dataplane import Dataplane
-from service.core.errors import ClientGone, DeadlineExceeded, ServiceError
+from service.core.errors import ClientGone, DeadlineExceeded, RouteNotFound, ServiceError, excerpt
 from service.core.exchange import Answer
 from service.core.keys import check_api_key
 from service.core.logs import log_access, new_request_id
@@ -397,6 +399,40 @@ for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():
         setattr(Servicer, _name, _unimplemented(_name))
 
 
+class Health(health_pb2_grpc.HealthServicer):
+    """gRPC's standard health checking (grpc.health.v1), for Kubernetes' grpc probes and grpc-health-probe:
+    SERVING while the service is ready (ServerReady's answer), NOT_SERVING while it loads or stops. Watch is
+    UNIMPLEMENTED, which gRPC's client-side health checking takes as healthy."""
+
+    SERVICES = ("", "inference.GRPCInferenceService")  # the server, and its one service
+
+    def __init__(self, dataplane: Dataplane):
+        self.dataplane = dataplane
+
+    def _status(self) -> health_pb2.HealthCheckResponse:
+        try:
+            self.dataplane.check_ready()
+        except ServiceError:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    @_rpc
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any  # noqa: N802
+                    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in self.SERVICES:
+            raise RouteNotFound(f"no service {excerpt(request.service)} here: ask for '' (the server) or "
+                                "'inference.GRPCInferenceService'")
+        return self._status()
+
+    @_rpc
+    async def List(self, request: health_pb2.HealthListRequest, context: Any  # noqa: N802
+                   ) -> health_pb2.HealthListResponse:
+        status = self._status()
+        return health_pb2.HealthListResponse(statuses=dict.fromkeys(self.SERVICES, status))
+
+    Watch = _unimplemented("Watch")
+
+
 def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -459,6 +495,7 @@ class GRPCServer:
             settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
             functools.partial(_gone_early, dataplane), settings.max_open_connections)
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
+        calls.register(server, health_pb2_grpc.add_HealthServicer_to_server, Health(dataplane))
         try:
             port = server.add_insecure_port(self.address)
         except RuntimeError as e:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
@@ -401,6 +403,36 @@ def test_deadlines(server):
     assert result.as_numpy("outputs").shape == (16, 128, 120)
 
 
+def test_grpc_health_checking_follows_readiness(server, repository, tmp_path):
+    """grpc.health.v1 (Kubernetes' grpc probes, grpc-health-probe): SERVING while ready, for the server and its
+    one service; an unknown service NOT_FOUND; Watch UNIMPLEMENTED. With a model that could not be loaded
+    (ATTEND_SKIP_BROKEN_MODELS): NOT_SERVING, as ServerReady and /health/ready say."""
+    def statuses(address):
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            checked = [health.Check(health_pb2.HealthCheckRequest(service=s)).status
+                       for s in ("", "inference.GRPCInferenceService")]
+            listed = {k: v.status for k, v in health.List(health_pb2.HealthListRequest()).statuses.items()}
+            assert listed == dict(zip(("", "inference.GRPCInferenceService"), checked, strict=True))
+            assert _error(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"))) == (
+                grpc.StatusCode.NOT_FOUND,
+                "no service 'nope' here: ask for '' (the server) or 'inference.GRPCInferenceService'")
+            assert _error(lambda: next(health.Watch(health_pb2.HealthCheckRequest()))) == (
+                grpc.StatusCode.UNIMPLEMENTED, "this server does not implement Watch")
+        return checked
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert statuses(server[1]) == [serving, serving]
+    repo = shutil.copytree(repository, tmp_path / "repo")
+    (repo / "dot_product" / "1" / "model.onnx").write_bytes(b"broken")
+    port = free_port()
+    with running_service(repo, ATTEND_GRPC_PORT=str(port), ATTEND_SKIP_BROKEN_MODELS="true",
+                         ATTEND_INTRA_OP_THREADS="1", ready_path="/health/live") as (url, _):
+        assert httpx.get(f"{url}/health/ready").status_code == 503
+        assert not grpcclient.InferenceServerClient(f"127.0.0.1:{port}").is_server_ready()
+        assert statuses(f"127.0.0.1:{port}") == [not_serving, not_serving]
+
+
 def test_keys_and_model_control(repository):
     port = free_port()
     with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_API_KEYS=KEY, ATTEND_ADMIN_KEYS=ADMIN,
@@ -410,6 +442,9 @@ def test_keys_and_model_control(repository):
         admin = {"authorization": f"Bearer {ADMIN}"}
         inputs = _inputs(grpcclient, _arrays(json.dumps(toy_request()).encode())[1])
         assert client.is_server_live() and client.is_server_ready()  # open, as HTTP's probes
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
+                health_pb2.HealthCheckResponse.SERVING
         for call in (lambda h: client.infer("additive", inputs, headers=h),
                      lambda h: client.get_model_metadata("additive", headers=h),
                      lambda h: client.get_server_metadata(headers=h),
