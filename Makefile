@@ -83,10 +83,11 @@ browser:  ## Debian's chromium for the page's browser tests, unless it is there 
 # the refusal tests and docs/examples/v2_curl.sh. promtool (Debian's prometheus package):
 # tests/deploy/test_prometheus.py checks and unit-tests deploy/prometheus with it; the server the package starts
 # under systemd is stopped and disabled again (only the tool is wanted).
-tools:  ## Debian's strace, wrk, curl and promtool (the prometheus package) for the suite, unless they are there
+tools:  ## Debian's strace, wrk, curl, openssl and promtool (the prometheus package) for the suite, unless they are there
 	@command -v strace >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace >/dev/null)
 	@command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null)
 	@command -v curl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null)
+	@command -v openssl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null)
 	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		--no-install-recommends prometheus >/dev/null && (systemctl disable --now prometheus >/dev/null 2>&1 || true))
 

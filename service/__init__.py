@@ -5,3 +5,6 @@ import os
 # ONNX Runtime (1.29 and later, on Linux) keeps a device id and queues usage events for Microsoft's collector
 # unless this is set before it is first imported. A server calls no one unasked; ORT_DISABLE_TELEMETRY=0 opts in.
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+# grpc's C core writes its own INFO lines to stderr, one for every connection whose TLS handshake fails: any
+# client could fill the log so. Its errors still show; GRPC_VERBOSITY=INFO or DEBUG shows the rest.
+os.environ["GRPC_VERBOSITY"] = os.environ.get("GRPC_VERBOSITY") or "ERROR"

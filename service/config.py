@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import ssl
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -15,6 +16,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.batching import BatchLimits
 from service.core.request import RequestLimits
+
+
+def _tls_check(load: Callable[[ssl.SSLContext], None], what: str, *paths: Path) -> None:
+    """The PEM files load as a TLS server would load them; else one line saying why."""
+    for path in paths:
+        try:
+            path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"{path} cannot be read: {e.strerror}") from None
+    try:
+        load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError("the key is not the certificate's (KEY_VALUES_MISMATCH)") from None
+        raise ValueError(f"not {what} ({e.reason or 'PEM lib'})") from None
 
 
 class Settings(BaseSettings):
@@ -32,6 +48,32 @@ class Settings(BaseSettings):
         if value and value == info.data.get("port"):
             raise ValueError("must differ from ATTEND_PORT (gRPC and HTTP each need a port; 0 turns gRPC off)")
         return value
+
+    # TLS on gRPC, as Triton's --grpc-use-ssl: the certificate chain and its key, PEM. With a client CA, a client
+    # must show a certificate it signed (--grpc-use-ssl-mutual). HTTP stays plain: its TLS is the proxy's.
+    grpc_tls_cert: Path | None = None
+    grpc_tls_key: Path | None = Field(None, validate_default=True)
+    grpc_tls_client_ca: Path | None = None
+
+    @field_validator("grpc_tls_key")
+    @classmethod
+    def _key_of_the_cert(cls, key: Path | None, info: ValidationInfo) -> Path | None:
+        cert = info.data.get("grpc_tls_cert")
+        if (cert is None) != (key is None):
+            raise ValueError("ATTEND_GRPC_TLS_CERT and ATTEND_GRPC_TLS_KEY go together: set both, or neither")
+        if cert is not None and key is not None:
+            _tls_check(lambda context: context.load_cert_chain(cert, key), "a PEM certificate chain and its key", cert,
+                       key)
+        return key
+
+    @field_validator("grpc_tls_client_ca")
+    @classmethod
+    def _ca_after_the_cert(cls, ca: Path | None, info: ValidationInfo) -> Path | None:
+        if ca is not None:
+            if info.data.get("grpc_tls_key") is None:
+                raise ValueError("needs ATTEND_GRPC_TLS_CERT and ATTEND_GRPC_TLS_KEY: mutual TLS is TLS first")
+            _tls_check(lambda context: context.load_verify_locations(ca), "a PEM CA certificate", ca)
+        return ca
     model_repository: Path = Path("model_repository")
     device: Literal["auto", "cuda", "cpu"] = "auto"
     workers: int = Field(1, ge=1, description="uvicorn worker processes")

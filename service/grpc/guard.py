@@ -55,9 +55,12 @@ HEALTH = frozenset({"ServerLive", "ServerReady", "Check", "List"})  # Triton's p
 message_size: contextvars.ContextVar[int] = contextvars.ContextVar("message_size", default=0)
 
 
-def options(max_body_bytes: int, max_open_connections: int, shared_port: bool) -> list[tuple[str, int]]:
+def options(max_body_bytes: int, max_open_connections: int, shared_port: bool, handshake_s: float
+            ) -> list[tuple[str, int]]:
     """grpc's server options for the limits above."""
     return [
+        # A connection's handshake (TLS, then HTTP/2's settings) within ATTEND_HEADER_TIMEOUT_S, not grpc's 120 s.
+        ("grpc.server_handshake_timeout_ms", max(1, int(handshake_s * 1000))),
         ("grpc.max_receive_message_length", max_body_bytes),
         ("grpc.max_send_message_length", -1),  # the answers' size is bounded by the request limits
         ("grpc.max_allowed_incoming_connections", max_open_connections),

@@ -433,6 +433,15 @@ class Health(health_pb2_grpc.HealthServicer):
     Watch = _unimplemented("Watch")
 
 
+def tls_credentials(settings: Settings) -> grpc.ServerCredentials:
+    """ATTEND_GRPC_TLS_*'s credentials (checked already, as the settings were read)."""
+    assert settings.grpc_tls_cert is not None and settings.grpc_tls_key is not None
+    ca = settings.grpc_tls_client_ca
+    return grpc.ssl_server_credentials([(settings.grpc_tls_key.read_bytes(), settings.grpc_tls_cert.read_bytes())],
+                                       root_certificates=None if ca is None else ca.read_bytes(),
+                                       require_client_auth=ca is not None)
+
+
 def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -489,7 +498,7 @@ class GRPCServer:
         settings = self.settings
         self.loop = asyncio.get_running_loop()
         server = grpc.aio.server(options=guard.options(settings.max_body_bytes, settings.max_open_connections,
-                                                       self.shared_port))
+                                                       self.shared_port, settings.header_timeout_s))
         servicer = Servicer(dataplane, settings, self.version)
         self.calls = servicer.calls = calls = guard.CallGuard(
             settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
@@ -497,7 +506,10 @@ class GRPCServer:
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
         calls.register(server, health_pb2_grpc.add_HealthServicer_to_server, Health(dataplane))
         try:
-            port = server.add_insecure_port(self.address)
+            if settings.grpc_tls_cert is None:
+                port = server.add_insecure_port(self.address)
+            else:
+                port = server.add_secure_port(self.address, tls_credentials(settings))
         except RuntimeError as e:
             port, reason = 0, str(e)
         else:
@@ -507,7 +519,8 @@ class GRPCServer:
         await server.start()
         self.server, self.port = server, port
         dataplane.add_load_hint(servicer.in_progress, servicer.in_progress)
-        log.info("gRPC (Triton's GRPCInferenceService) on %s", self.address)
+        tls = "" if settings.grpc_tls_cert is None else ", mutual TLS" if settings.grpc_tls_client_ca else ", TLS"
+        log.info("gRPC (Triton's GRPCInferenceService) on %s%s", self.address, tls)
 
     def stop_accepting(self) -> None:
         """No new calls from now on (UNAVAILABLE); those under way have ATTEND_GRACE_PERIOD_S, and grpc

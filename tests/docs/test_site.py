@@ -57,6 +57,8 @@ def test_a_broken_link_fails_the_build(tmp_path):
 
 def _shown(default) -> str:
     """A default as the settings page writes it."""
+    if default is None:
+        return "(none)"
     if isinstance(default, bool):
         return str(default).lower()
     if isinstance(default, float) and default.is_integer():
