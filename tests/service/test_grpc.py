@@ -524,6 +524,13 @@ def _slow_call(port, channel_args=None):
     return client, inputs, outputs, alone, q
 
 
+def _stream(client, headers=None):
+    """tritonclient's stream on `client`: a queue of its callback's (result, error)."""
+    answers = queue.Queue()
+    client.start_stream(lambda result, error: answers.put((result, error)), headers=headers)
+    return answers
+
+
 def _in_flight(url):
     """attend_requests_in_flight: requests admitted and not yet answered."""
     line = next(x for x in httpx.get(f"{url}/metrics").text.splitlines()
@@ -600,8 +607,7 @@ def test_a_cancelled_call_counts_as_gone_and_a_passed_deadline_as_504(repository
             client.infer("dot_product", inputs, outputs=outputs, timeout=30_000)
         assert error.value.status() == "StatusCode.DEADLINE_EXCEEDED"
         assert "deadline passed" in error.value.message()
-        answers = queue.Queue()
-        client.start_stream(lambda result, error: answers.put((result, error)))
+        answers = _stream(client)
         client.async_stream_infer("dot_product", inputs, outputs=outputs, timeout=30_000)
         result, error = answers.get(timeout=30)
         client.stop_stream()

@@ -6,7 +6,6 @@ counts as gone; SIGTERM answers what is under way, then ends the stream UNAVAILA
 
 import asyncio
 import json
-import queue
 import signal
 import time
 
@@ -21,7 +20,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from service.http.schemas import toy_request
 from tests.server import free_port, running_service
-from tests.service.test_grpc import BOOK_OUTPUTS, _attention, _grpc_count, _in_flight, _inputs, _slow_call
+from tests.service.test_grpc import BOOK_OUTPUTS, _attention, _grpc_count, _in_flight, _inputs, _slow_call, _stream
 from tests.service.test_overload import rss_mb
 from tests.service.test_v2 import _arrays, _bodies, _check, _expected
 
@@ -40,13 +39,6 @@ def server(repository, tmp_path_factory):
                          ATTEND_API_KEYS=KEY) as (url, proc):
         yield url, f"127.0.0.1:{port}", proc
     assert "Traceback" not in log.read_text() and "never retrieved" not in log.read_text()
-
-
-def _stream(client, headers=None):
-    """tritonclient's stream on `client`: a queue of its callback's (result, error)."""
-    answers = queue.Queue()
-    client.start_stream(lambda result, error: answers.put((result, error)), headers=headers)
-    return answers
 
 
 def test_a_stream_gives_attends_numbers_and_an_error_ends_only_its_request(server):

@@ -5,11 +5,9 @@ without a certificate; a file that cannot be used stops the start in one line; a
 handshakes is closed after ATTEND_HEADER_TIMEOUT_S, with TLS or without."""
 
 import json
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import grpc
@@ -20,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from service.http.schemas import toy_request
-from tests.server import ROOT, free_port, running_service
+from tests.server import free_port, running_service
 from tests.service.test_grpc import BOOK_OUTPUTS, _inputs
+from tests.service.test_settings import _start
 from tests.service.test_v2 import _arrays
 
 pytestmark = pytest.mark.slow
@@ -112,11 +111,7 @@ BAD = [
 
 @pytest.mark.parametrize("case, settings, said", BAD, ids=[c[0] for c in BAD])
 def test_a_file_that_cannot_be_used_stops_the_start_in_one_line(repository, certs, case, settings, said):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTEND_")}
-    env |= {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_PORT": str(free_port())}
-    env |= {name: str(certs / value) for name, value in settings.items()}
-    result = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=60)
+    result = _start(repository, **{name: str(certs / value) for name, value in settings.items()})
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"cannot start: {said.format(certs=certs)}"), lines[0]
