@@ -25,7 +25,8 @@ long as the client keeps it (as a gRPC connection does), and at most ATTEND_MAX_
 once. Each of its messages is a call, counted against ATTEND_MAX_CONNECTIONS while it is served. A message
 is awaited for as long as the stream is open: gRPC cannot tell a stream between messages from one whose
 message stalled, and a stalled one holds what it sent. At SIGTERM a stream takes no more messages: what is
-under way is answered, then the stream ends UNAVAILABLE.
+under way is answered, then the stream ends UNAVAILABLE. grpc.health.v1's Watch (one message in, statuses
+out) is a stream too, counted with them; at SIGTERM it says NOT_SERVING, then ends the same way.
 
 A connection's streams are not limited apart (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS): a client that opened
 more before the setting reached it had them reset, an UNAVAILABLE that said nothing of why; past the calls'
@@ -108,6 +109,10 @@ class CallGuard:
         self.stopping = True
         self._stopped.set()
 
+    async def stopped(self) -> None:
+        """Returns at SIGTERM."""
+        await self._stopped.wait()
+
     def take(self) -> ServiceError | None:
         """A call begins: counted, or the reason it may not (`give` it back once it is answered)."""
         if self.stopping:
@@ -133,7 +138,7 @@ class CallGuard:
         if handler.request_streaming:
             return self.guarded_stream(name, handler)
         if handler.response_streaming:
-            return handler  # grpc.health.v1's Watch: not served (UNIMPLEMENTED at once), so nothing to guard
+            return self.guarded_watch(name, handler)
         behavior, deserialize = handler.unary_unary, handler.request_deserializer
         exempt = name in HEALTH
 
@@ -146,27 +151,9 @@ class CallGuard:
                     return _end(context, name, refusal)
             self.unfinished += 1
             context.add_done_callback(self._finished)  # once grpc has sent the answer and the status
-            started = time.perf_counter()
             try:
-                try:
-                    message = await asyncio.wait_for(context.read(), self.message_timeout_s)
-                except asyncio.CancelledError:
-                    self.gone(name, time.perf_counter() - started)
-                    raise
-                except TimeoutError:
-                    self._refused("body_timeout")
-                    return _end(context, name, RequestTimeout(
-                        f"the call's message did not arrive within {self.message_timeout_s:g} s "
-                        "(ATTEND_BODY_TIMEOUT_S)"))
-                if message is grpc.aio.EOF:
-                    return _end(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
-                try:
-                    request = deserialize(message)
-                except DecodeError:
-                    return _end(context, name, InvalidRequest(
-                        f"{name}: the request message is not an inference.{name}Request"))
-                message_size.set(len(message))
-                return await behavior(request, context)
+                request = await self._message(name, context, deserialize)
+                return None if request is None else await behavior(request, context)
             finally:
                 self.calls -= 1
 
@@ -174,22 +161,76 @@ class CallGuard:
         return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
                                                     response_serializer=handler.response_serializer)
 
+    async def _message(self, name: str, context: grpc.aio.ServicerContext, deserialize: Callable[[bytes], Any]
+                       ) -> Any:
+        """A call's one message, read within ATTEND_BODY_TIMEOUT_S; None where the call was ended instead."""
+        started = time.perf_counter()
+        try:
+            message = await asyncio.wait_for(context.read(), self.message_timeout_s)
+        except asyncio.CancelledError:
+            self.gone(name, time.perf_counter() - started)
+            raise
+        except TimeoutError:
+            self._refused("body_timeout")
+            return _end(context, name, RequestTimeout(
+                f"the call's message did not arrive within {self.message_timeout_s:g} s (ATTEND_BODY_TIMEOUT_S)"))
+        if message is grpc.aio.EOF:
+            return _end(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
+        try:
+            request = deserialize(message)
+        except DecodeError:
+            return _end(context, name, InvalidRequest(
+                f"{name}: the request message is not an inference.{name}Request"))
+        message_size.set(len(message))
+        return request
+
+    def _open_stream(self, name: str, context: grpc.aio.ServicerContext) -> bool:
+        """A stream opens: counted against ATTEND_MAX_OPEN_CONNECTIONS (`streams`, given back by the caller),
+        or refused."""
+        if self.stopping:
+            _end(context, name, _stopping("retry on another"))
+            return False
+        if self.streams >= self.max_streams:
+            self._refused("connections")
+            _end(context, name, Overloaded(
+                f"{self.max_streams} streams are open (ATTEND_MAX_OPEN_CONNECTIONS); retry shortly",
+                headers={"Retry-After": "1"}))
+            return False
+        self.streams += 1
+        self.unfinished += 1
+        context.add_done_callback(self._finished)
+        return True
+
+    def guarded_watch(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """One message in, a stream of answers out, for as long as the client keeps it (grpc.health.v1's
+        Watch): a stream, open while it lasts; its message read as a call's."""
+        behavior, deserialize = handler.unary_stream, handler.request_deserializer
+
+        async def call(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            if not self._open_stream(name, context):
+                return
+            try:
+                request = await self._message(name, context, deserialize)
+                if request is not None:
+                    async for answer in behavior(request, context):
+                        await context.write(answer)
+                    if self.stopping:
+                        _end(context, name, _stopping("watch another replica"))
+            finally:
+                self.streams -= 1
+
+        call.__name__ = name
+        return grpc.stream_stream_rpc_method_handler(call, request_deserializer=None,
+                                                     response_serializer=handler.response_serializer)
+
     def guarded_stream(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """A stream of calls (ModelStreamInfer): the servicer's method gets its messages as (request, size),
         each counted as a call already (it gives it back), or as (the reason it was refused, size)."""
         behavior, deserialize = handler.stream_stream, handler.request_deserializer
 
         async def call(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            if self.stopping:
-                return _end(context, name, _stopping("retry on another"))
-            if self.streams >= self.max_streams:
-                self._refused("connections")
-                return _end(context, name, Overloaded(
-                    f"{self.max_streams} streams are open (ATTEND_MAX_OPEN_CONNECTIONS); retry shortly",
-                    headers={"Retry-After": "1"}))
-            self.streams += 1
-            self.unfinished += 1
-            context.add_done_callback(self._finished)
+            if not self._open_stream(name, context):
+                return
             try:
                 await behavior(self._messages(name, context, deserialize), context)
                 if self.stopping:

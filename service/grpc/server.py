@@ -16,19 +16,21 @@ statistics, errors as status codes (service.grpc.status).
     ModelStreamInfer                          the API key, where ATTEND_API_KEYS is set
     RepositoryIndex, RepositoryModelLoad,
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
-    grpc.health.v1.Health Check, List         open: SERVING while ready (gRPC's standard health checking)
+    grpc.health.v1.Health Check, List, Watch  open: SERVING while ready (gRPC's standard health checking)
     everything else                           UNIMPLEMENTED
 
 Transport limits (service.grpc.guard, as HTTP's connection guard): at most ATTEND_MAX_CONNECTIONS calls
 under way (UNAVAILABLE past it; health calls exempt), each call's message within ATTEND_BODY_TIMEOUT_S
 (DEADLINE_EXCEEDED) and of at most ATTEND_MAX_BODY_BYTES (RESOURCE_EXHAUSTED), ATTEND_MAX_OPEN_CONNECTIONS
-connections; ModelStreamInfer's streams at most ATTEND_MAX_OPEN_CONNECTIONS, each message a call. A client
+connections; streams (ModelStreamInfer, Watch) at most ATTEND_MAX_OPEN_CONNECTIONS, a ModelStreamInfer message
+a call. A client
 that cancels, or goes away, is counted as HTTP counts it: 499.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -399,22 +401,30 @@ for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():
         setattr(Servicer, _name, _unimplemented(_name))
 
 
+_WATCH_S = 0.5  # how often the status is checked for Watch (once for all its streams)
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 class Health(health_pb2_grpc.HealthServicer):
-    """gRPC's standard health checking (grpc.health.v1), for Kubernetes' grpc probes and grpc-health-probe:
-    SERVING while the service is ready (ServerReady's answer), NOT_SERVING while it loads or stops. Watch is
-    UNIMPLEMENTED, which gRPC's client-side health checking takes as healthy."""
+    """gRPC's standard health checking (grpc.health.v1), for Kubernetes' grpc probes, grpc-health-probe and
+    gRPC's client-side health checking (Watch): SERVING while the service is ready (ServerReady's answer),
+    NOT_SERVING while it loads or stops."""
 
     SERVICES = ("", "inference.GRPCInferenceService")  # the server, and its one service
 
-    def __init__(self, dataplane: Dataplane):
+    def __init__(self, dataplane: Dataplane, calls: guard.CallGuard):
         self.dataplane = dataplane
+        self.calls = calls
+        self._watchers = 0
+        self._changed = asyncio.Event()  # set when the status changes, then replaced
+        self._ticker: asyncio.Future | None = None
 
-    def _status(self) -> health_pb2.HealthCheckResponse:
+    def _status(self) -> int:
         try:
             self.dataplane.check_ready()
         except ServiceError:
-            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+            return _NOT_SERVING
+        return _NOT_SERVING if self.calls.stopping else _SERVING
 
     @_rpc
     async def Check(self, request: health_pb2.HealthCheckRequest, context: Any  # noqa: N802
@@ -422,15 +432,48 @@ class Health(health_pb2_grpc.HealthServicer):
         if request.service not in self.SERVICES:
             raise RouteNotFound(f"no service {excerpt(request.service)} here: ask for '' (the server) or "
                                 "'inference.GRPCInferenceService'")
-        return self._status()
+        return health_pb2.HealthCheckResponse(status=self._status())
 
     @_rpc
     async def List(self, request: health_pb2.HealthListRequest, context: Any  # noqa: N802
                    ) -> health_pb2.HealthListResponse:
-        status = self._status()
+        status = health_pb2.HealthCheckResponse(status=self._status())
         return health_pb2.HealthListResponse(statuses=dict.fromkeys(self.SERVICES, status))
 
-    Watch = _unimplemented("Watch")
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any  # noqa: N802
+                    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """The status now, then each change (within _WATCH_S; at once at SIGTERM, which then ends the stream);
+        a service not here SERVICE_UNKNOWN, and the stream stays open, as the protocol has it."""
+        self._watchers += 1
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick())
+        try:
+            sent = None
+            while True:
+                changed = self._changed  # before the status: a change from now on wakes this stream
+                status = self._status() if request.service in self.SERVICES else \
+                    health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                if status != sent:
+                    sent = status
+                    yield health_pb2.HealthCheckResponse(status=status)
+                if self.calls.stopping:
+                    return
+                await changed.wait()
+        finally:
+            self._watchers -= 1
+
+    async def _tick(self) -> None:
+        """While a Watch is open: the status every _WATCH_S, its streams woken where it changed."""
+        last = self._status()
+        while self._watchers and not self.calls.stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.calls.stopped(), _WATCH_S)
+            status = self._status()
+            if status != last or self.calls.stopping:
+                last = status
+                self._changed.set()
+                self._changed = asyncio.Event()
+        self._ticker = None
 
 
 def tls_credentials(settings: Settings) -> grpc.ServerCredentials:
@@ -504,7 +547,7 @@ class GRPCServer:
             settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
             functools.partial(_gone_early, dataplane), settings.max_open_connections)
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
-        calls.register(server, health_pb2_grpc.add_HealthServicer_to_server, Health(dataplane))
+        calls.register(server, health_pb2_grpc.add_HealthServicer_to_server, Health(dataplane, calls))
         try:
             if settings.grpc_tls_cert is None:
                 port = server.add_insecure_port(self.address)

@@ -11,6 +11,7 @@ stubs tritonclient ships (tritonclient.grpc.service_pb2): this process never imp
 """
 
 import asyncio
+import functools
 import json
 import math
 import queue
@@ -405,7 +406,7 @@ def test_deadlines(server):
 
 def test_grpc_health_checking_follows_readiness(server, repository, tmp_path):
     """grpc.health.v1 (Kubernetes' grpc probes, grpc-health-probe): SERVING while ready, for the server and its
-    one service; an unknown service NOT_FOUND; Watch UNIMPLEMENTED. With a model that could not be loaded
+    one service; an unknown service NOT_FOUND. With a model that could not be loaded
     (ATTEND_SKIP_BROKEN_MODELS): NOT_SERVING, as ServerReady and /health/ready say."""
     def statuses(address):
         with grpc.insecure_channel(address) as channel:
@@ -417,8 +418,6 @@ def test_grpc_health_checking_follows_readiness(server, repository, tmp_path):
             assert _error(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"))) == (
                 grpc.StatusCode.NOT_FOUND,
                 "no service 'nope' here: ask for '' (the server) or 'inference.GRPCInferenceService'")
-            assert _error(lambda: next(health.Watch(health_pb2.HealthCheckRequest()))) == (
-                grpc.StatusCode.UNIMPLEMENTED, "this server does not implement Watch")
         return checked
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -431,6 +430,71 @@ def test_grpc_health_checking_follows_readiness(server, repository, tmp_path):
         assert httpx.get(f"{url}/health/ready").status_code == 503
         assert not grpcclient.InferenceServerClient(f"127.0.0.1:{port}").is_server_ready()
         assert statuses(f"127.0.0.1:{port}") == [not_serving, not_serving]
+
+
+def _watch(address, service=""):
+    """A Watch in a thread: (queue of its statuses, then its end as (code, details); the call, to cancel)."""
+    channel = grpc.insecure_channel(address)
+    call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+    seen = queue.Queue()
+
+    def read():
+        try:
+            for answer in call:
+                seen.put(answer.status)
+        except grpc.RpcError as e:
+            seen.put((e.code(), e.details()))
+        channel.close()
+
+    threading.Thread(target=read, daemon=True).start()
+    return seen, call
+
+
+def test_grpc_health_watch_says_each_change_and_ends_at_sigterm(repository, tmp_path):
+    """Watch (gRPC's client-side health checking): the status at once, then each change. A model that could not be
+    loaded: NOT_SERVING; once it is loaded, SERVING within a second. An unknown service: SERVICE_UNKNOWN, and
+    the stream stays open. A channel with gRPC's client-side health checking sends no call until SERVING.
+    Watches are streams (ATTEND_MAX_OPEN_CONNECTIONS=3: a fourth is refused). SIGTERM:
+    NOT_SERVING at once, then the stream ends UNAVAILABLE, and the process exits."""
+    repo = shutil.copytree(repository, tmp_path / "repo")
+    model = repo / "dot_product" / "1" / "model.onnx"
+    good = model.read_bytes()
+    model.write_bytes(b"broken")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with running_service(repo, ATTEND_GRPC_PORT=str(port), ATTEND_SKIP_BROKEN_MODELS="true", ATTEND_ADMIN_KEYS=ADMIN,
+                         ATTEND_MAX_OPEN_CONNECTIONS="3", ATTEND_INTRA_OP_THREADS="1",
+                         ready_path="/health/live") as (url, proc):
+        watched, _ = _watch(address)
+        assert watched.get(timeout=10) == health_pb2.HealthCheckResponse.NOT_SERVING
+        unknown, unknown_call = _watch(address, "nope")
+        assert unknown.get(timeout=10) == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        # gRPC's client-side health checking (the channel's own Watch): no call goes to a replica not SERVING.
+        config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
+        checked = grpc.insecure_channel(address, options=[("grpc.service_config", config)])
+        live = functools.partial(pb_grpc.GRPCInferenceServiceStub(checked).ServerLive, pb.ServerLiveRequest(),
+                                 timeout=5)
+        code, details = _error(live)
+        assert code == grpc.StatusCode.UNAVAILABLE and "backend unhealthy" in details
+        refused, _ = _watch(address)  # a fourth stream
+        assert refused.get(timeout=10) == (grpc.StatusCode.UNAVAILABLE,
+                                           "3 streams are open (ATTEND_MAX_OPEN_CONNECTIONS); retry shortly")
+        model.write_bytes(good)
+        assert httpx.post(f"{url}/v2/repository/models/dot_product/load",
+                          headers={"authorization": f"Bearer {ADMIN}"}).status_code == 200
+        loaded = time.monotonic()
+        assert watched.get(timeout=10) == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - loaded < 1.5  # within _WATCH_S (0.5 s) of the load, with room for a busy core
+        assert watched.empty() and unknown.empty()  # nothing changed for either since
+        assert live(wait_for_ready=True).live  # once the channel's own Watch has seen SERVING too
+        checked.close()
+        unknown_call.cancel()
+        assert unknown.get(timeout=10)[0] == grpc.StatusCode.CANCELLED
+        proc.send_signal(signal.SIGTERM)
+        assert watched.get(timeout=10) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert watched.get(timeout=10) == (grpc.StatusCode.UNAVAILABLE,
+                                           "the service is stopping; watch another replica")
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
 
 
 def test_keys_and_model_control(repository):
