@@ -335,8 +335,9 @@ class Scheduler:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         # One batcher (a queue and its task) per snapshot being served: a new version gets its own,
         # and a retired one drains what it holds, then goes.
-        self.batchers: dict[tuple[str, int], Batcher] = {}
-        self._loops: dict[tuple[str, int], asyncio.Task] = {}
+        # By snapshot (its id): a version loaded again in place has a batcher of its own beside the old one's.
+        self.batchers: dict[int, Batcher] = {}
+        self._loops: dict[int, asyncio.Task] = {}
         self._models = list(models)
         self._tasks: set[asyncio.Task] = set()
 
@@ -354,7 +355,7 @@ class Scheduler:
 
     def batcher_for(self, model: LoadedModel) -> Batcher:
         """The batcher of this snapshot, made (with its task) the first time it is asked for."""
-        key = (model.name, model.config.version)
+        key = id(model)
         batcher = self.batchers.get(key)
         if batcher is None or batcher.model is not model:
             batcher = self.batchers[key] = Batcher(model, self.limits, self)
@@ -366,7 +367,7 @@ class Scheduler:
     async def retire(self, model: LoadedModel, timeout: float) -> bool:
         """Let the snapshot's batcher finish what it holds (queued, and running on a thread), then
         stop it. False when that took longer than `timeout` (it is stopped anyway)."""
-        key = (model.name, model.config.version)
+        key = id(model)
         batcher = self.batchers.get(key)
         if batcher is None or batcher.model is not model:
             return True

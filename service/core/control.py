@@ -79,8 +79,8 @@ class ModelControl:
         async with self._lock:
             newest = loader.newest(name)
             current = self.registry.get(name)
-            if current is not None and current.config.version == newest:
-                # Already serving it: nothing to swap, unless another worker unloaded it since.
+            if current is not None and current.stamp is not None and current.stamp == loader.stamp(name):
+                # Already serving it, as it is on disk: nothing to swap, unless another worker unloaded it since.
                 self._share(discard=name, tell=False)
                 return current
             try:
@@ -148,8 +148,9 @@ class ModelControl:
                 await self._retire(name, retired)
 
     async def reload_changed(self) -> list[str]:
-        """Load every model of the repository whose newest version is not the one served (new models
-        included); a failure is logged and leaves that model as it was. Returns the models loaded."""
+        """Load every model of the repository whose newest version changed on disk since its last load (a new
+        version, a version changed in place, a new model); a failure is logged and leaves that model as it was.
+        Returns the models loaded."""
         await self.follow()
         loader = self.registry.loader
         if loader is None:
@@ -176,12 +177,11 @@ class ModelControl:
             name = model_dir.name
             if name in self.unloaded:
                 continue  # until it is loaded again
-            newest = loader.newest(name)
-            current = self.registry.get(name)
-            if newest is None or (current is not None and current.config.version == newest):
-                continue
-            if (name, newest) in self.registry.failed:
-                continue  # it failed already; a new export (a new version) will be tried
+            stamp, current = loader.stamp(name), self.registry.get(name)
+            if stamp is None or (current is not None and current.stamp == stamp):
+                continue  # unreadable (its load would say why), or served as it is on disk
+            if name in loader.failed and loader.failed[name] == stamp:
+                continue  # its load failed, and nothing changed since
             try:
                 await self.load(name, tell=False)
                 loaded.append(name)

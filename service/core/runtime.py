@@ -104,6 +104,7 @@ class LoadedModel:
     # What the request path works out once per snapshot from its signature alone, by what it is for: the check of
     # a request's shapes (service.core.request._FeedPlan) and the batcher's reading of them (batching._SizePlan).
     derived: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    stamp: Stamp | None = dataclasses.field(default=None, repr=False, compare=False)  # the files it was loaded from
 
     @property
     def name(self) -> str:
@@ -300,6 +301,21 @@ def load_model(model_dir: Path, providers: list[Any], intra_op_threads: int, req
     return model
 
 
+# What a model's newest version is on disk: its config.json, and the size and modification time of every file it
+# names. A version changed in place (files copied over it, a copy that finished) has a new stamp.
+Stamp = tuple[ModelConfig, tuple[tuple[str, int, int], ...]]
+
+
+def stamp_of(model_dir: Path) -> Stamp | None:
+    """The stamp of the model's newest version, or None where it cannot be read."""
+    try:
+        config = read_config(model_dir)
+        files = [f for f in (config.model_file, *(v["file"] for v in config.variants.values())) if f]
+        return config, tuple((f, (stat := (model_dir / f).stat()).st_size, stat.st_mtime_ns) for f in files)
+    except Exception:  # not there, not readable, not a config: the load says why
+        return None
+
+
 @dataclass
 class Loader:
     """How sessions are made: the same for start-up and for every load while serving."""
@@ -312,6 +328,8 @@ class Loader:
     graph_timing_s: float = 0.0  # the warm-up's time to choose among a model's graphs; 0: the fixed choice
     flush_denormals: bool = True  # service.core.denormals
     shared: SharedTimings | None = None  # ATTEND_WORKERS: the graphs' times of every process of the start
+    # The stamp of each model whose last load of its newest version failed: the poll tries it again once it changed.
+    failed: dict[str, Stamp | None] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         denormals.enabled = self.flush_denormals
@@ -333,6 +351,18 @@ class Loader:
                 raise StartupError(f"model {name}: no such model in the repository (no {name}/{CONFIG_FILE})")
         except OSError as e:
             raise StartupError(f"model {name}: {cannot_read(f'{name}/{CONFIG_FILE}', e)}") from None
+        stamp = stamp_of(model_dir)  # before the files are read: a change while they are is seen at the next poll
+        try:
+            model = self._load(model_dir, name, version)
+        except StartupError:
+            if version is None:
+                self.failed[name] = stamp
+            raise
+        self.failed.pop(name, None)
+        model.stamp = stamp if model.config == (stamp[0] if stamp else None) else None
+        return model
+
+    def _load(self, model_dir: Path, name: str, version: int | None) -> LoadedModel:
         start = time.perf_counter()
         timing = self.graph_timing_s if self.warmup else 0.0
         model = load_model(model_dir, self.providers, self.intra_op_threads, require_cuda=self.device == "cuda",
@@ -352,6 +382,10 @@ class Loader:
             log.info("model %s runs %s%s", model.name, describe_ladders(model.choice),
                      " (timed by another process)" if model.timings.adopted else "")
         return model
+
+    def stamp(self, name: str) -> Stamp | None:
+        model_dir = folder_of(self.repository, name)
+        return stamp_of(model_dir) if model_dir is not None else None
 
     def newest(self, name: str) -> int | None:
         """The version the model's config.json names as the newest, or None (no such model, unreadable)."""
@@ -399,9 +433,10 @@ class Registry:
         """Serve `model` (newer versions win), keeping the `keep` newest loaded versions; returns the
         snapshots retired. One assignment: a request sees the old set or the new one."""
         versions = dict(self.versions.get(model.name, {}))
+        replaced = versions.get(model.config.version)  # the same version, changed in place on disk
         versions[model.config.version] = model
         kept = sorted(versions)[-keep:]
-        retired = [versions[v] for v in versions if v not in kept]
+        retired = [versions[v] for v in versions if v not in kept] + ([replaced] if replaced else [])
         self.versions = {**self.versions, model.name: {v: versions[v] for v in kept}}
         self.broken.pop(model.name, None)
         self.failed.pop((model.name, model.config.version), None)

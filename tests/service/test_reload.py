@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from export.cli import main as export
+from export.repository import read_config
 from tests.server import running_service
 from tests.service.test_observability import parse, value
 
@@ -192,6 +193,76 @@ def test_sighup_loads_what_changed_under_load(repo):
         proc.send_signal(signal.SIGHUP)  # nothing changed: nothing happens
         time.sleep(0.5)
         assert proc.poll() is None and _version(url) == 2
+
+
+def _replace_in_place(source, target):
+    """Copy a version's files over another's of the same number, the graphs first, config.json last (as rsync or
+    a volume's update would: a moment holds new graphs with the old config.json)."""
+    for path in sorted(source.iterdir(), key=lambda p: p.name == "config.json"):
+        shutil.copyfile(path, target / path.name)
+
+
+def test_a_version_changed_in_place_is_reloaded_by_the_poll_under_load(repo, tmp_path):
+    """Version 1's files replaced by another export's version 1 (a repository synced over the served one): the
+    poll serves the new one, with nothing failed under load. Its graph broken in place, then mended (a copy
+    that finished): the broken one fails with its reason while the other serves on, the mended one loads."""
+    other = tmp_path / "other"
+    assert export(["--repository", str(other), "--kind", "multi_head", "--seed", "7"]) == 0  # its version 1
+    version = repo / "multi_head" / "1"
+    original = shutil.copytree(version, tmp_path / "original")
+    log = tmp_path / "service.log"
+    with running_service(repo, log_path=log, ATTEND_POLL_S="0.2", ATTEND_LOG_LEVEL="info") as (url, _):
+        old = _outputs(url)
+        with Load(url) as load:
+            _replace_in_place(other / "multi_head" / "1", version)
+            shutil.copyfile(version / "config.json", repo / "multi_head" / "config.json")
+            deadline = time.monotonic() + 30
+            while np.allclose(_outputs(url), old) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            swapped_at = time.monotonic()
+            time.sleep(0.5)
+        new = _outputs(url)
+        assert not np.allclose(old, new) and _version(url) == 1
+        kinds = _classify(load.results, old, new)
+        assert [k for k in kinds if k[2] not in ("old", "new")] == []  # zero failed, nothing else
+        assert not [k for k in kinds if k[0] > swapped_at and k[2] == "old"]
+        assert {k[2] for k in kinds} == {"old", "new"}
+        (version / "model.cpu.onnx").write_bytes(b"\x08\x07 half a copy")
+        deadline = time.monotonic() + 30
+        while "sha256 of multi_head/1/model.cpu.onnx" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        np.testing.assert_array_equal(_outputs(url), new)  # the broken one failed; the one served serves on
+        _replace_in_place(original, version)
+        shutil.copyfile(version / "config.json", repo / "multi_head" / "config.json")
+        deadline = time.monotonic() + 30
+        while not np.allclose(_outputs(url), old) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        np.testing.assert_allclose(_outputs(url), old, rtol=1e-6)
+    text = log.read_text()
+    assert text.count("load of model multi_head failed, version 1 still serving: model multi_head: sha256 of "
+                      "multi_head/1/model.cpu.onnx is ") == 1, text  # tried once, not at every poll
+
+
+def test_a_load_reloads_a_version_changed_in_place_and_only_then(repo, tmp_path):
+    """The load route reloads a version whose files changed on disk (Triton's load of a loaded model); one
+    whose files did not change stays as it is (nothing to swap)."""
+    other = tmp_path / "other"
+    assert export(["--repository", str(other), "--kind", "multi_head", "--seed", "7"]) == 0
+    log = tmp_path / "service.log"
+    with running_service(repo, log_path=log, ATTEND_ADMIN_KEYS="admin-key-1", ATTEND_LOG_LEVEL="info") as (url, _):
+        old = _outputs(url)
+        load = f"{url}/v2/repository/models/multi_head/load"
+        assert httpx.post(load, headers=ADMIN, timeout=60).status_code == 200  # unchanged: nothing loaded
+        assert log.read_text().count("loaded model multi_head") == 1
+        _replace_in_place(other / "multi_head" / "1", repo / "multi_head" / "1")
+        shutil.copyfile(other / "multi_head" / "config.json", repo / "multi_head" / "config.json")
+        np.testing.assert_array_equal(_outputs(url), old)  # without a poll, nothing until the load
+        assert httpx.post(load, headers=ADMIN, timeout=60).status_code == 200
+        new = _outputs(url)
+        assert not np.allclose(old, new) and _version(url) == 1
+        assert httpx.get(f"{url}/models/multi_head").json()["sha256"] == read_config(other / "multi_head").variants[
+            "cpu"]["sha256"]
+    assert log.read_text().count("loaded model multi_head") == 2
 
 
 def test_an_unload_holds_past_the_poll_and_sighup_until_a_load(repo):
