@@ -234,8 +234,29 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                                context: grpc.aio.ServicerContext) -> None:
         """Triton's stream: each message a ModelInfer, served as it comes, its answer (or its error, as
         `error_message`) written as soon as it is ready, so in the order they finish (`id` pairs them).
-        An error ends only its own request. Returns once the client half-closed and all are answered."""
-        writing = asyncio.Lock()  # one message at a time on the stream
+        An error ends only its own request; with Triton's `triton_grpc_error: true` metadata, it ends the stream
+        with its status code instead, and what else is under way on it is cancelled. Returns once the client
+        half-closed and all are answered."""
+        stream = _Stream(_metadata(context).get("triton_grpc_error", "").lower() == "true")
+        if not stream.grpc_error:
+            return await self._stream(messages, context, stream)
+        serving = asyncio.ensure_future(self._stream(messages, context, stream))
+        failed = asyncio.ensure_future(stream.failed.wait())
+        try:
+            await asyncio.wait((serving, failed), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # an error, or the call cancelled: the stream's tasks end with it
+            failed.cancel()
+            if stream.error is not None or not serving.done():
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+        if stream.error is not None:
+            end_call(context, stream.error)
+        else:
+            serving.result()
+
+    async def _stream(self, messages: AsyncIterator[tuple[Any, int]], context: grpc.aio.ServicerContext,
+                      stream: _Stream) -> None:
         tasks: set[asyncio.Task] = set()
         try:
             async for item, size in messages:
@@ -244,11 +265,11 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                     # so that a client that sends and does not read is held back (grpc's flow control).
                     log_access("GRPC", "ModelStreamInfer", item.status, 0.0)
                     try:
-                        await StreamExchange(pb.ModelInferRequest(), context, writing).refuse(item)
+                        await StreamExchange(pb.ModelInferRequest(), context, stream).refuse(item)
                     except _StreamClosed:
                         break
                     continue
-                task = asyncio.ensure_future(self._one_of_stream(item, size, context, writing))
+                task = asyncio.ensure_future(self._one_of_stream(item, size, context, stream))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:
@@ -258,12 +279,12 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
     async def _one_of_stream(self, item: pb.ModelInferRequest, size: int, context: grpc.aio.ServicerContext,
-                             writing: asyncio.Lock) -> None:
+                             stream: _Stream) -> None:
         """One message the guard counted as a call: served, and its call given back."""
         guard.message_size.set(size)  # this task's own context
         self.in_progress.n += 1
         try:
-            await self.dataplane.serve(StreamExchange(item, context, writing))
+            await self.dataplane.serve(StreamExchange(item, context, stream))
         except _StreamClosed:
             pass  # the client went away: counted by serve
         finally:
@@ -352,16 +373,29 @@ class _StreamClosed(Exception):
     """An answer for a stream that has ended (the client cancelled it, or went away)."""
 
 
+class _Stream:
+    """What the messages of one ModelStreamInfer call share: one write at a time on it; with `triton_grpc_error`,
+    the first error, which ends it."""
+
+    __slots__ = ("writing", "grpc_error", "error", "failed")
+
+    def __init__(self, grpc_error: bool):
+        self.writing = asyncio.Lock()
+        self.grpc_error = grpc_error
+        self.error: ServiceError | None = None
+        self.failed = asyncio.Event()  # set with `error`
+
+
 class StreamExchange(GrpcExchange):
     """One message of a ModelStreamInfer call: the answer and the error are messages on the stream."""
 
-    __slots__ = ("writing",)
+    __slots__ = ("stream",)
     codec = _STREAM_CODEC
     rpc = "inference.GRPCInferenceService/ModelStreamInfer"
 
-    def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext, writing: asyncio.Lock):
+    def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext, stream: _Stream):
         super().__init__(message, context)
-        self.writing = writing
+        self.stream = stream
 
     def path(self, model: str) -> str:
         return f"ModelStreamInfer {model}"
@@ -370,6 +404,12 @@ class StreamExchange(GrpcExchange):
         await self._write(answer.body)
 
     async def refuse(self, error: ServiceError) -> None:
+        stream = self.stream
+        if stream.grpc_error:  # the stream ends with it (ModelStreamInfer)
+            if stream.error is None:
+                stream.error = error
+                stream.failed.set()
+            return
         message = self.message
         answer = pb.ModelStreamInferResponse(error_message=details_of(error))
         answer.infer_response.id, answer.infer_response.model_name = message.id, message.model_name
@@ -377,8 +417,8 @@ class StreamExchange(GrpcExchange):
         await self._write(answer)
 
     async def _write(self, body: pb.ModelStreamInferResponse) -> None:
-        async with self.writing:
-            if self.context.done():
+        async with self.stream.writing:
+            if self.context.done() or self.stream.error is not None:
                 raise _StreamClosed
             await self.context.write(body)
 

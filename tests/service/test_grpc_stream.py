@@ -1,8 +1,9 @@
 """ModelStreamInfer, Triton's stream of inference calls, against the real process (`python -m service` with
 ATTEND_GRPC_PORT): tritonclient's stream, sync and aio, gives /attend's numbers, an error ends only its own
-request, the API key holds; the guard's bounds hold per message (ATTEND_MAX_CONNECTIONS) and per stream
-(ATTEND_MAX_OPEN_CONNECTIONS); a client that sends and does not read is held back; a cancelled stream's call
-counts as gone; SIGTERM answers what is under way, then ends the stream UNAVAILABLE."""
+request (with Triton's triton_grpc_error, the stream with its status), the API key holds; the guard's bounds
+hold per message (ATTEND_MAX_CONNECTIONS) and per stream (ATTEND_MAX_OPEN_CONNECTIONS); a client that sends
+and does not read is held back; a cancelled stream's call counts as gone; SIGTERM answers what is under way,
+then ends the stream UNAVAILABLE."""
 
 import asyncio
 import json
@@ -17,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
+from tritonclient.utils import InferenceServerException
 
 from service.http.schemas import toy_request
 from tests.server import free_port, running_service
@@ -77,6 +79,42 @@ def test_a_stream_gives_attends_numbers_and_an_error_ends_only_its_request(serve
     assert 'attend_requests_total{model="additive",protocol="grpc",status="422"} 1.0' in metrics
     assert 'attend_requests_total{model="-",protocol="grpc",status="404"} 1.0' in metrics
     assert 'attend_requests_total{model="additive",protocol="grpc",status="200"}' in metrics
+
+
+def test_with_triton_grpc_error_the_first_error_ends_the_stream_with_its_status(server):
+    """Triton's `triton_grpc_error: true` metadata: an error ends the stream with its gRPC status (the client sees
+    INVALID_ARGUMENT naming the input), and a message still under way is cancelled (counted 499, never answered).
+    tritonclient then refuses to send on the stream."""
+    url, address, _ = server
+    client = grpcclient.InferenceServerClient(address)
+    answers = _stream(client, {"authorization": f"Bearer {KEY}", "triton_grpc_error": "true"})
+    _, book = _arrays(json.dumps(toy_request()).encode())
+    client.async_stream_infer("additive", _inputs(grpcclient, book), request_id="book")
+    result, error = answers.get(timeout=30)
+    assert error is None and result.get_response().id == "book"
+    np.testing.assert_allclose(result.as_numpy("outputs"), BOOK_OUTPUTS, rtol=1e-6)
+    def cancelled_count():
+        metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+        line = 'attend_requests_total{model="dot_product",protocol="grpc",status="499"} '
+        return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(line))
+
+    cancelled = cancelled_count()
+    slow = np.random.default_rng(4).normal(size=(3, 2048, 64)).astype(np.float32)  # a second or so on one core
+    client.async_stream_infer("dot_product", _inputs(grpcclient, {"queries": slow, "keys": slow, "values": slow}),
+                              request_id="slow")
+    client.async_stream_infer("additive", _inputs(grpcclient, dict(book, keys=book["keys"][:, :, :1])),
+                              request_id="wrong")
+    result, error = answers.get(timeout=30)
+    assert result is None and error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.message().startswith("input keys: keys must have 2 features (axis 2) for model additive")
+    with pytest.raises(InferenceServerException, match="no longer in valid state"):
+        client.async_stream_infer("additive", _inputs(grpcclient, book), request_id="after")
+    deadline = time.monotonic() + 30
+    while cancelled_count() == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled_count() == cancelled + 1
+    assert answers.empty()  # the slow one never answered
+    client.stop_stream()
 
 
 def test_tritonclient_aio_stream_and_the_api_key(server):
