@@ -139,6 +139,7 @@ def test_the_config_files_are_valid_serve_configs():
         assert deployment.graceful_shutdown_timeout_s == module.GRACE_S == Settings().grace_period_s
         assert deployment.ray_actor_options.num_cpus == 1
         assert set(app.runtime_env["env_vars"]) >= {"ATTEND_MODEL_REPOSITORY", "ATTEND_DEVICE"}
+        assert app.runtime_env["env_vars"]["ATTEND_POLL_S"] == "10"  # every replica follows the repository
 
 
 def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repository):
