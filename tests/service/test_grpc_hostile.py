@@ -1,7 +1,7 @@
 """Hostile clients on gRPC, against the real process (`python -m service` with ATTEND_GRPC_PORT): a message
 over the limit, thousands of calls at once, calls cancelled or timed out mid-call, connections that open
-streams and stall. Each is bounded as HTTP's are (a clear status, nothing left held: the in-flight gauges
-back to 0, memory within a bound), and HTTP's /health/live answers throughout.
+streams and stall, thousands of health watches. Each is bounded as HTTP's are (a clear status, nothing left
+held: the in-flight gauges back to 0, memory within a bound), and HTTP's /health/live answers throughout.
 
 The messages are built with the stubs tritonclient ships (tritonclient.grpc.service_pb2), as in
 tests/service/test_grpc.py."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.server import free_port, running_service
@@ -329,3 +331,41 @@ def test_stalled_streams_are_ended_and_hold_little_memory(server):
     assert grown < 50, grown
     now = settled(url)
     assert now["in_flight"] == 0 and now["inflight_bytes"] == 0, now
+
+
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_thousands_of_health_watches_hold_little_and_cost_nothing_idle(server):
+    """2000 grpc.health.v1 Watch streams over 8 connections (gRPC's client-side health checking opens one a
+    channel): each answers SERVING at once, holds about 21 kB (measured 2026-12-03; bound 40), and while the
+    status stays the same they cost the service no CPU (one check every 0.5 s for them all: measured 0.4% of a
+    core over 5 s; bound 5%). Cancelled, they leave nothing: ModelInfer and /health/live answer throughout."""
+    url, address, proc = server
+    before = rss_mb(proc.pid)
+    channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(8)]
+    try:
+        with LiveProbe(url) as probe:
+            watches = [health_pb2_grpc.HealthStub(channels[i % 8]).Watch(health_pb2.HealthCheckRequest())
+                       for i in range(2000)]
+            assert {next(w).status for w in watches} == {health_pb2.HealthCheckResponse.SERVING}
+            time.sleep(1)
+            held_kb = (rss_mb(proc.pid) - before) * 1024 / len(watches)
+            start = _cpu_s(proc.pid)
+            time.sleep(5)
+            idle = (_cpu_s(proc.pid) - start) / 5
+            pb.ModelInferResponse.FromString(channels[0].unary_unary(METHOD)(infer_request(), timeout=10))
+            for watch in watches:
+                watch.cancel()
+    finally:
+        for channel in channels:
+            channel.close()
+    assert held_kb < 40, held_kb
+    assert idle < 0.05, idle
+    assert not probe.failures and probe.slowest < 1.0, (probe.slowest, probe.failures)
+    with grpc.insecure_channel(address) as channel:  # the streams' slots are free again
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
