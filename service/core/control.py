@@ -63,6 +63,7 @@ class ModelControl:
     drain_s: float = 30.0  # how long a retired version may take to finish what it holds
     shared: Path | None = None  # with workers: the file of the names unloaded, which every worker follows
     notify: Callable[[], None] = lambda: None  # with workers: the others do the same (SIGHUP to the supervisor)
+    counted: Callable[[str, str], None] = lambda name, result: None  # a load: (model, "loaded" or "failed")
     unloaded: set[str] = field(default_factory=set, init=False)  # unloaded here, and not loaded since
 
     def __post_init__(self) -> None:
@@ -87,10 +88,13 @@ class ModelControl:
                 model = await anyio.to_thread.run_sync(loader.load, name)
             except StartupError as e:
                 self.registry.failed[(name, newest or 0)] = str(e)
+                if newest is not None:  # a model of the repository (not a name an admin mistyped)
+                    self.counted(name, "failed")
                 log.error("load of model %s failed, %s: %s", name,
                           f"version {current.config.version} still serving" if current else "not served", e)
                 raise LoadFailed(str(e)) from None
             retired = self.registry.install(model, self.keep_versions)
+            self.counted(name, "loaded")
             self.scheduler.batcher_for(model)
             log.info("model %s: version %d serving%s", name, model.config.version,
                      f"; version(s) {', '.join(str(m.config.version) for m in retired)} retired" if retired else "")

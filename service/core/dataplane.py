@@ -192,7 +192,7 @@ class Dataplane:
             "shared": Path(self.timings_folder) / "unloaded.json",
             "notify": functools.partial(tell_supervisor, os.getppid())}
         self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s,
-                                    **workers)
+                                    counted=self.metrics.model_loaded, **workers)
         await self.control.follow()  # a worker started in place of one that died: as the others
         if settings.poll_s:
             self.scheduler.spawn(self.control.poll(settings.poll_s))

@@ -143,6 +143,13 @@ class Metrics:
         self.request_timeout = Gauge("attend_request_timeout_seconds", "ATTEND_REQUEST_TIMEOUT_S: a request's "
                                      "deadline (a client may ask for a shorter one)", registry=self.registry,
                                      multiprocess_mode="livemax")
+        # Models that change while serving (service.core.control): each load, by model and result (loaded, failed).
+        self.model_loads = Counter("attend_model_loads", "Loads of a model while serving (SIGHUP, ATTEND_POLL_S, "
+                                   "the load route), by result: loaded, or failed (what was serving still is)",
+                                   ["model", "result"], registry=self.registry)
+        self.model_load_failed = Gauge("attend_model_load_failed", "1 while the last load of a model's newest files "
+                                       "failed, and an older version (or none) serves; 0 once one loaded",
+                                       ["model"], registry=self.registry, multiprocess_mode="livemax")
         # Tracing (service.core.tracing): the spans sent to the receiver, and those lost, by reason.
         self.trace_spans_exported = Counter("attend_trace_spans_exported", "Spans the OTLP exporter delivered "
                                             "(tracing on: OTEL_*)", registry=self.registry)
@@ -157,6 +164,11 @@ class Metrics:
             self.registry.register(_Frozen())
         self._used: Callable[[], float] | None = None
         self._models: dict[str, ModelMetrics] = {}
+
+    def model_loaded(self, name: str, result: str) -> None:
+        """A load while serving: "loaded" or "failed"."""
+        self.model_loads.labels(name, result).inc()
+        self.model_load_failed.labels(name).set(result == "failed")
 
     def exposition(self) -> bytes:
         """The text of /metrics: this process's registry, or every worker's values in multiprocess mode."""

@@ -232,12 +232,18 @@ def test_a_version_changed_in_place_is_reloaded_by_the_poll_under_load(repo, tmp
         while "sha256 of multi_head/1/model.cpu.onnx" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         np.testing.assert_array_equal(_outputs(url), new)  # the broken one failed; the one served serves on
+        metrics = parse(httpx.get(f"{url}/metrics").text)
+        assert value(metrics, "attend_model_load_failed", model="multi_head") == 1  # AttendModelLoadFailed's
+        assert value(metrics, "attend_model_loads_total", model="multi_head", result="failed") >= 1
         _replace_in_place(original, version)
         shutil.copyfile(version / "config.json", repo / "multi_head" / "config.json")
         deadline = time.monotonic() + 30
         while not np.allclose(_outputs(url), old) and time.monotonic() < deadline:
             time.sleep(0.05)
         np.testing.assert_allclose(_outputs(url), old, rtol=1e-6)
+        metrics = parse(httpx.get(f"{url}/metrics").text)
+        assert value(metrics, "attend_model_load_failed", model="multi_head") == 0
+        assert value(metrics, "attend_model_loads_total", model="multi_head", result="loaded") >= 2
     text = log.read_text()
     assert text.count("load of model multi_head failed, version 1 still serving: model multi_head: sha256 of "
                       "multi_head/1/model.cpu.onnx is ") == 1, text  # tried once, not at every poll
