@@ -465,7 +465,11 @@ class Registry:
                 on_disk = []
             for version in sorted(set(on_disk) | set(self.versions.get(name, {}))):
                 if version in self.versions.get(name, {}):
-                    rows.append({"name": name, "version": str(version), "state": "READY", "reason": ""})
+                    # READY with a reason: its files changed in place, and what they are now did not load.
+                    failed = self.failed.get((name, version))
+                    reason = f"serving the files loaded before; those on disk now did not load: {failed}" if failed \
+                        else ""
+                    rows.append({"name": name, "version": str(version), "state": "READY", "reason": reason})
                 elif (name, version) in self.failed:
                     rows.append({"name": name, "version": str(version), "state": "UNAVAILABLE",
                                  "reason": self.failed[(name, version)]})

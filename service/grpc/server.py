@@ -22,9 +22,8 @@ statistics, errors as status codes (service.grpc.status).
 Transport limits (service.grpc.guard, as HTTP's connection guard): at most ATTEND_MAX_CONNECTIONS calls
 under way (UNAVAILABLE past it; health calls exempt), each call's message within ATTEND_BODY_TIMEOUT_S
 (DEADLINE_EXCEEDED) and of at most ATTEND_MAX_BODY_BYTES (RESOURCE_EXHAUSTED), ATTEND_MAX_OPEN_CONNECTIONS
-connections; streams (ModelStreamInfer, Watch) at most ATTEND_MAX_OPEN_CONNECTIONS, a ModelStreamInfer message
-a call. A client
-that cancels, or goes away, is counted as HTTP counts it: 499.
+connections; streams (ModelStreamInfer, Watch) at most ATTEND_MAX_OPEN_CONNECTIONS, each message of
+ModelStreamInfer a call. A client that cancels, or goes away, is counted as HTTP counts it: 499.
 """
 
 from __future__ import annotations

@@ -235,12 +235,18 @@ def test_a_version_changed_in_place_is_reloaded_by_the_poll_under_load(repo, tmp
         metrics = parse(httpx.get(f"{url}/metrics").text)
         assert value(metrics, "attend_model_load_failed", model="multi_head") == 1  # AttendModelLoadFailed's
         assert value(metrics, "attend_model_loads_total", model="multi_head", result="failed") >= 1
+        (row,) = httpx.get(f"{url}/models/multi_head").json()["repository_versions"]
+        assert row["state"] == "READY" and row["reason"].startswith(
+            "serving the files loaded before; those on disk now did not load: model multi_head: sha256 of "
+            "multi_head/1/model.cpu.onnx is "), row
         _replace_in_place(original, version)
         shutil.copyfile(version / "config.json", repo / "multi_head" / "config.json")
         deadline = time.monotonic() + 30
         while not np.allclose(_outputs(url), old) and time.monotonic() < deadline:
             time.sleep(0.05)
         np.testing.assert_allclose(_outputs(url), old, rtol=1e-6)
+        assert httpx.get(f"{url}/models/multi_head").json()["repository_versions"] == [
+            {"version": "1", "state": "READY"}]
         metrics = parse(httpx.get(f"{url}/metrics").text)
         assert value(metrics, "attend_model_load_failed", model="multi_head") == 0
         assert value(metrics, "attend_model_loads_total", model="multi_head", result="loaded") >= 2
