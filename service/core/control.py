@@ -184,7 +184,7 @@ class ModelControl:
             stamp, current = loader.stamp(name), self.registry.get(name)
             if stamp is None or (current is not None and current.stamp == stamp):
                 continue  # unreadable (its load would say why), or served as it is on disk
-            if name in loader.failed and loader.failed[name] == stamp:
+            if name in loader.failed_stamps and loader.failed_stamps[name] == stamp:
                 continue  # its load failed, and nothing changed since
             try:
                 await self.load(name, tell=False)

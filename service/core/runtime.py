@@ -329,7 +329,7 @@ class Loader:
     flush_denormals: bool = True  # service.core.denormals
     shared: SharedTimings | None = None  # ATTEND_WORKERS: the graphs' times of every process of the start
     # The stamp of each model whose last load of its newest version failed: the poll tries it again once it changed.
-    failed: dict[str, Stamp | None] = dataclasses.field(default_factory=dict)
+    failed_stamps: dict[str, Stamp | None] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         denormals.enabled = self.flush_denormals
@@ -356,9 +356,9 @@ class Loader:
             model = self._load(model_dir, name, version)
         except StartupError:
             if version is None:
-                self.failed[name] = stamp
+                self.failed_stamps[name] = stamp
             raise
-        self.failed.pop(name, None)
+        self.failed_stamps.pop(name, None)
         model.stamp = stamp if model.config == (stamp[0] if stamp else None) else None
         return model
 
