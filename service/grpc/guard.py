@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -206,35 +206,38 @@ class CallGuard:
         Watch): a stream, open while it lasts; its message read as a call's."""
         behavior, deserialize = handler.unary_stream, handler.request_deserializer
 
-        async def call(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            if not self._open_stream(name, context):
-                return
-            try:
-                request = await self._message(name, context, deserialize)
-                if request is not None:
-                    async for answer in behavior(request, context):
-                        await context.write(answer)
-                    if self.stopping:
-                        _end(context, name, _stopping("watch another replica"))
-            finally:
-                self.streams -= 1
+        async def serve(context: grpc.aio.ServicerContext) -> bool:
+            request = await self._message(name, context, deserialize)
+            if request is None:  # ended already, with the reason
+                return False
+            async for answer in behavior(request, context):
+                await context.write(answer)
+            return True
 
-        call.__name__ = name
-        return grpc.stream_stream_rpc_method_handler(call, request_deserializer=None,
-                                                     response_serializer=handler.response_serializer)
+        return self._stream_handler(name, handler, serve, "watch another replica")
 
     def guarded_stream(self, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """A stream of calls (ModelStreamInfer): the servicer's method gets its messages as (request, size),
         each counted as a call already (it gives it back), or as (the reason it was refused, size)."""
         behavior, deserialize = handler.stream_stream, handler.request_deserializer
 
+        async def serve(context: grpc.aio.ServicerContext) -> bool:
+            await behavior(self._messages(name, context, deserialize), context)
+            return True
+
+        return self._stream_handler(name, handler, serve, "open the stream again on another")
+
+    def _stream_handler(self, name: str, handler: grpc.RpcMethodHandler,
+                        serve: Callable[[grpc.aio.ServicerContext], Awaitable[bool]], advice: str
+                        ) -> grpc.RpcMethodHandler:
+        """A stream, counted while `serve` runs; served through SIGTERM, it then ends UNAVAILABLE with `advice`."""
+
         async def call(requests: Any, context: grpc.aio.ServicerContext) -> None:
             if not self._open_stream(name, context):
                 return
             try:
-                await behavior(self._messages(name, context, deserialize), context)
-                if self.stopping:
-                    _end(context, name, _stopping("open the stream again on another"))
+                if await serve(context) and self.stopping:
+                    _end(context, name, _stopping(advice))
             finally:
                 self.streams -= 1
 
