@@ -178,6 +178,9 @@ class Settings(BaseSettings):
     # it needs one of them; without, it is off (404) unless model_control opens it (a trusted network).
     admin_keys: SecretStr = SecretStr("")
     model_control: bool = False
+    # Triton's system shared memory (service.core.shm), for clients on this host: off, as Triton's
+    # --allow-client-shm. Registering a region is an admin operation where admin keys are set.
+    shared_memory: bool = False
 
     # Models that change while serving (service.core.control).
     keep_versions: int = Field(1, ge=1, description="versions of a model that stay loaded")

@@ -288,6 +288,8 @@ class Batcher:
         self._observe([job])
         results, seconds = run_batch(self.model, [job], self.scheduler.metrics)
         self.run_cost.observe(job.elements, seconds)
+        if isinstance(results[0], ServiceError):  # its own refusal (an output it could not write: service.core.shm)
+            raise results[0]
         return results[0]
 
     async def loop(self) -> None:

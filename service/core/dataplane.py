@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sized
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,7 @@ from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
 from service.core.runtime import CUDA, LoadedModel, Registry
+from service.core.shm import Regions, SharedMemoryOff
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -86,6 +88,7 @@ class CoreSettings(Protocol):
     poll_s: float
 
     model_control: bool
+    shared_memory: bool
 
     def request_limits(self) -> RequestLimits: ...
     def batch_limits(self) -> BatchLimits: ...
@@ -135,6 +138,10 @@ class Dataplane:
         self.admin_keys = settings.admin_key_list()
         # The model repository extension (load, unload, the index) is on: admin keys, or opened for all.
         self.model_control = bool(self.admin_keys or settings.model_control)
+        # Triton's system shared memory, where it is on: the regions (with workers, a file they share).
+        self.regions: Regions | None = None
+        if settings.shared_memory:
+            self.regions = Regions(None if timings_folder is None else Path(timings_folder) / "regions.json")
         self.request_timeout_s = settings.request_timeout_s
         self.inline_decode_bytes = settings.inline_decode_bytes
         self.budget = Budget(settings.max_inflight_bytes)  # what the requests in flight may cost together
@@ -143,6 +150,7 @@ class Dataplane:
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # made by open()
         self.control: ModelControl = None  # type: ignore[assignment]
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.loop_thread: int | None = None  # the event loop's thread: a decode there reads little shared memory
         self.ready = False  # every model loaded and warmed up, not stopping
         self.serving = False  # requests are taken: from open() to close(), draining included
         self.in_flight = 0  # requests between admit() and release() (the in-flight gauge reads it)
@@ -166,6 +174,7 @@ class Dataplane:
         be ready. Sessions are created here, once, never at import time."""
         settings = self.settings
         self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
         # OTEL_*: off unless they configure it (python -m service checked them before anything: TracingError).
         self.tracing = tracing.setup(self.metrics)
         if self.registry is None:
@@ -310,6 +319,17 @@ class Dataplane:
                              "trusted network)")
         elif self.api_keys:
             check_api_key(authorization, self.api_keys)
+
+    def check_shared_memory(self, authorization: bytes | None) -> Regions:
+        """System shared memory's register, status and unregister: on (ATTEND_SHARED_MEMORY), and an admin key
+        where ATTEND_ADMIN_KEYS is set (else the API keys, if any, as every route)."""
+        if self.regions is None:
+            raise SharedMemoryOff("system shared memory is off: ATTEND_SHARED_MEMORY=true turns it on, for clients "
+                                  "on this host")
+        keys = self.admin_keys or self.api_keys
+        if keys:
+            check_api_key(authorization, keys)
+        return self.regions
 
     def release(self) -> None:
         self.in_flight -= 1

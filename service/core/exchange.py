@@ -20,6 +20,7 @@ from service.core.cost import Cost
 from service.core.errors import ServiceError
 from service.core.logs import log_access, request_id
 from service.core.request import Request
+from service.core.shm import Offload
 
 if TYPE_CHECKING:
     from service.core.dataplane import Dataplane
@@ -160,7 +161,14 @@ async def _admitted(core: Dataplane, x: Exchange, start: float, outcome: list, s
             else:  # a thread hop costs more than a small body's decode
                 if stamps is not None:
                     stamps.decode = (time.perf_counter(), 0.0)
-                request, encode = codec.decode(core, x.target, x.headers, body, cost)
+                held = cost.held
+                try:
+                    request, encode = codec.decode(core, x.target, x.headers, body, cost)
+                except Offload:  # a small body that names more shared memory than the loop may read
+                    cost.hold(held)
+                    if stamps is not None:
+                        stamps.where = "thread"
+                    request, encode = await core.in_thread(until, codec.decode, core, x.target, x.headers, body, cost)
             if stamps is not None:
                 stamps.decode = (stamps.decode[0], time.perf_counter())  # type: ignore[index]
         model = outcome[0] = request.model.name

@@ -13,6 +13,7 @@ configuration are here too (`metadata`, `config`): the routes of service.http.ro
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 from urllib.parse import unquote
 
@@ -30,8 +31,10 @@ from service.core.errors import (
     excerpt,
     json_type,
 )
+from service.core.jobs import SizePlan
 from service.core.request import MAX_DIMS, Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
+from service.core.shm import Offload, OutputRegion, Regions, SharedMemoryOff
 from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, media_type
 from service.protocols.json_arrays import large_not_json
 
@@ -55,10 +58,11 @@ def error_json(error: ServiceError) -> bytes:
 # --------------------------------------------------------------------------------------- metadata
 
 
-def extensions(model_repository: bool) -> list[str]:
+def extensions(model_repository: bool, shared_memory: bool = False) -> list[str]:
     """The server metadata's `extensions` (every transport's: HTTP's GET /v2, gRPC's ServerMetadata):
-    binary tensors, Triton's statistics, and the model repository where its routes are on."""
-    return ["binary_tensor_data", "statistics", *(["model_repository"] if model_repository else [])]
+    binary tensors, Triton's statistics, and the model repository and system shared memory where they are on."""
+    return ["binary_tensor_data", "statistics", *(["model_repository"] if model_repository else []),
+            *(["system_shared_memory"] if shared_memory else [])]
 
 
 def _dims(shape: tuple) -> list[int]:
@@ -145,10 +149,11 @@ class _Reader:
     """The tensors of one inference request: the binary tail is handed out in the order of the
     inputs that declare a binary_data_size, each size checked against what is left."""
 
-    def __init__(self, binary: memoryview, cost: Cost | None = None):
+    def __init__(self, binary: memoryview, cost: Cost | None = None, shm: SharedReads | None = None):
         self.binary = binary
         self.offset = 0
         self.cost = cost  # where what a tensor's cast or copy will hold is counted, before it is made
+        self.shm = shm
 
     def take(self, size: int, name: str) -> memoryview:
         if size > len(self.binary) - self.offset:
@@ -162,6 +167,65 @@ class _Reader:
         if self.offset != len(self.binary):
             raise BadRequest(f"the body has {len(self.binary) - self.offset} bytes of binary data that no input's "
                              "binary_data_size accounts for")
+
+
+class SharedReads:
+    """The shared memory one request's inputs read (service.core.shm): the regions, and what a decode on the
+    event loop may still read of them (None: on a thread, no bound)."""
+
+    __slots__ = ("regions", "left")
+
+    def __init__(self, regions: Regions | None, inline_bytes: int, loop_thread: int | None):
+        self.regions = regions
+        self.left = inline_bytes if threading.get_ident() == loop_thread else None
+
+    def of(self, what: str, region: Any) -> Regions:
+        if self.regions is None:
+            raise SharedMemoryOff(f"{what} names shared memory region {_shown(region)}, but system shared memory is "
+                                  "off (ATTEND_SHARED_MEMORY)")
+        if not isinstance(region, str):
+            raise BadRequest(f"{what}: shared_memory_region must be a string, got {json_type(region)}")
+        return self.regions
+
+    def tensor(self, region: Any, size: Any, offset: Any, name: str, shape: list[int], datatype: str,
+               dtype: np.dtype, cost: Cost | None) -> np.ndarray:
+        """Input `name` read from its region: `size` bytes at `offset`, a copy of them (held in `cost`)."""
+        regions = self.of(f"input {name}", region)
+        size = _int(size, f"input {name}: shared_memory_byte_size")
+        offset = _int(offset, f"input {name}: shared_memory_offset")
+        count = math.prod(shape)
+        if size != count * dtype.itemsize:
+            raise BadRequest(f"input {name}: shared_memory_byte_size is {size} bytes, but shape {shape} of {datatype} "
+                             f"takes {count * dtype.itemsize}")
+        if self.left is not None:
+            if size > self.left:
+                raise Offload
+            self.left -= size
+        if cost is not None:
+            cost.add(binary_decode(count, dtype.itemsize, dtype.kind == "f", True), f"input {name}")
+        return regions.read(region, size, offset, dtype, f"input {name}").reshape(shape)
+
+    def target(self, region: Any, size: Any, offset: Any, name: str, request: Request) -> OutputRegion:
+        """Where output `name` of `request` goes (checked now, written after the run)."""
+        regions = self.of(f"output {name}", region)
+        size = _int(size, f"output {name}: shared_memory_byte_size")
+        offset = _int(offset, f"output {name}: shared_memory_offset")
+        return regions.target(region, size, offset, 4 * math.prod(output_shape(request, name)), f"output {name}")
+
+
+def output_shape(request: Request, name: str) -> list[int]:
+    """The shape output `name` of `request` will have, from its inputs' shapes."""
+    model = request.model
+    axes = {axis: request.feed[n].shape[i] for n, i, axis in SizePlan.of(model).reads}
+    spec = next(s for s in model.outputs if s.name == name)
+    return [d if d.__class__ is int else axes[d] for d in spec.shape]
+
+
+def _shown(value: Any) -> str:
+    return repr(excerpt(value)) if isinstance(value, str) else json_type(value)
+
+
+SHM = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 # What every transport of the protocol checks of an input tensor, in this order (HTTP's JSON and binary
@@ -227,6 +291,14 @@ def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> 
     parameters = entry.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadRequest(f"input {name}: parameters must be an object")
+    if "shared_memory_region" in parameters:
+        if "data" in entry or "binary_data_size" in parameters:
+            raise BadRequest(f"input {name} has data and a shared_memory_region: send one")
+        if "shared_memory_byte_size" not in parameters:
+            raise BadRequest(f"input {name}: shared_memory_region needs shared_memory_byte_size")
+        return name, reader.shm.tensor(parameters["shared_memory_region"], parameters["shared_memory_byte_size"],
+                                       parameters.get("shared_memory_offset", 0), name, shape, datatype, dtype,
+                                       reader.cost)
     if "binary_data_size" in parameters:
         size = _int(parameters["binary_data_size"], f"input {name}: binary_data_size")
         if size != count * dtype.itemsize:
@@ -301,13 +373,21 @@ def tensors_request(model: LoadedModel, tensors: dict[str, np.ndarray], outputs:
         raise
 
 
-def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None) -> Encoder:
-    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
+def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None,
+             targets: dict[str, OutputRegion]) -> Encoder:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer | ServiceError:
         entries, blobs = [], []
         for name, binary in wanted:
             array = outputs[name]
             entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
-            if binary:
+            target = targets.get(name)
+            if target is not None:  # in its region: the entry says where, as Triton's
+                error = target.write(array)
+                if error is not None:
+                    return error
+                entry["parameters"] = {"shared_memory_region": target.region.name,
+                                       "shared_memory_byte_size": target.size}
+            elif binary:
                 blob = np.ascontiguousarray(array, dtype="<f4")
                 entry["parameters"] = {"binary_data_size": blob.nbytes}
                 blobs.append(memoryview(blob).cast("B"))
@@ -358,15 +438,18 @@ class InferCodec:
             split = _split(headers, body)
             commas, brackets = json_counts(body[:split])
             cost.decoding(json_decode(split, commas, brackets))  # its binary tensors: _tensor
-            return self.decode_for(model, headers, body, core.limits, cost, split)
+            shm = SharedReads(core.regions, core.inline_decode_bytes, core.loop_thread)
+            return self.decode_for(model, headers, body, core.limits, cost, split, shm)
         except ServiceError as e:
             e.model = model.name
             raise
 
     def decode_for(self, model: LoadedModel, headers: Headers, body: bytes | memoryview, limits: RequestLimits,
-                   cost: Cost | None = None, split: int | None = None) -> tuple[Request, Encoder]:
+                   cost: Cost | None = None, split: int | None = None, shm: SharedReads | None = None
+                   ) -> tuple[Request, Encoder]:
         """The request for `model` (resolved already) from the body; its binary tensors' casts and copies
-        counted in `cost`. `split`: where its JSON header ends, where the caller knows it already."""
+        counted in `cost`. `split`: where its JSON header ends, where the caller knows it already. `shm`:
+        the shared memory it may name (none: system shared memory is off)."""
         if split is None:
             split = _split(headers, body)
         try:
@@ -390,7 +473,8 @@ class InferCodec:
         inputs = head.get("inputs")
         if not isinstance(inputs, simdjson.Array | list):
             raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
-        reader, seen, tensors = _Reader(memoryview(body)[split:], cost), set(), {}
+        shm = shm or SharedReads(None, 0, None)
+        reader, seen, tensors = _Reader(memoryview(body)[split:], cost, shm), set(), {}
         for entry in inputs:
             if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
                 # By key: simdjson's items() would make the data a Python list too (a float object a number).
@@ -407,7 +491,16 @@ class InferCodec:
             request.timeout_s = timeout_s(_int(parameters["timeout"], "parameter timeout"))
         if split < len(body):
             request.held = len(body)  # binary tensors read in place: the body lives as long as they do
-        return request, _encoder(model, wanted, request_id)
+        targets = {}
+        for entry in outputs or ():  # checked by `requested`: objects, each a name of the model's
+            given = entry.get("parameters")
+            if isinstance(given, dict) and "shared_memory_region" in given:
+                name = entry["name"]
+                if "shared_memory_byte_size" not in given:
+                    raise BadRequest(f"output {name}: shared_memory_region needs shared_memory_byte_size")
+                targets[name] = shm.target(given["shared_memory_region"], given["shared_memory_byte_size"],
+                                           given.get("shared_memory_offset", 0), name, request)
+        return request, _encoder(model, wanted, request_id, targets)
 
     def error_body(self, error: ServiceError) -> bytes:
         return error_json(error)

@@ -11,6 +11,8 @@ admin operations: see service.http.app.require_admin).
     GET  /v2/models/{m}[/versions/{v}]/config  Triton's model configuration (perf_analyzer reads it)
     GET  /v2/models[/{m}[/versions/{v}]]/stats Triton's statistics extension (service.core.statistics)
     POST /v2/repository/index, /v2/repository/models/{m}/load|unload
+    GET  /v2/systemsharedmemory[/region/{r}]/status, POST .../region/{r}/register, POST [.../region/{r}]/unregister
+                                               Triton's system shared memory, where it is on (service.core.shm)
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.core.errors import ServiceError
 from service.core.request import find_model
+from service.core.shm import Regions
 from service.http.schemas import protocol_errors
 from service.protocols.v2 import (
     BadRequest,
@@ -44,8 +48,9 @@ def _json(body: Any, status: int = 200) -> Response:
 @router.get("", summary="Server metadata", responses=protocol_errors(401))
 async def server_metadata(request: Request) -> Response:
     # The repository routes are on where there are admin keys or model control (require_admin).
-    on = request.app.state.dataplane.model_control
-    return _json({"name": "attend", "version": request.app.version, "extensions": extensions(on)})
+    dataplane = request.app.state.dataplane
+    return _json({"name": "attend", "version": request.app.version,
+                  "extensions": extensions(dataplane.model_control, dataplane.regions is not None)})
 
 
 @health_router.get("/health/live", summary="The process is up")
@@ -134,4 +139,54 @@ async def load(request: Request, name: str) -> Response:
              summary="Stop serving the model once what its queue holds has finished")
 async def unload(request: Request, name: str) -> Response:
     await request.app.state.dataplane.control.unload(name)
+    return _json({})
+
+
+class RegisterRegion(BaseModel):
+    """A region of an object in /dev/shm (Triton's system shared memory register request)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    key: str = Field(max_length=256)
+    offset: int = Field(0, ge=0)
+    byte_size: int = Field(gt=0)
+
+
+async def require_shared_memory(request: Request) -> None:
+    """On, and the key (service.core.dataplane.Dataplane.check_shared_memory): before the body is read."""
+    request.app.state.dataplane.check_shared_memory(request.headers.get("authorization", "").encode("latin-1"))
+
+
+def _regions(request: Request) -> Regions:
+    return request.app.state.dataplane.regions
+
+
+shm_router = APIRouter(prefix="/v2/systemsharedmemory", tags=["Open Inference Protocol: system shared memory"],
+                       dependencies=[Depends(require_shared_memory)])
+
+
+@shm_router.get("/status", summary="Every registered region", responses=protocol_errors(401, 404))
+@shm_router.get("/region/{name}/status", summary="One registered region", responses=protocol_errors(401, 404))
+async def shm_status(request: Request, name: str = "") -> Response:
+    return _json(_regions(request).status(name))
+
+
+@shm_router.post("/region/{name}/register", summary="Register a region of an object in /dev/shm",
+                 responses=protocol_errors(400, 401, 404, 422))
+async def shm_register(request: Request, name: str) -> Response:
+    # Read here, not as a FastAPI body: tritonclient sends it without a Content-Type.
+    try:
+        body = RegisterRegion.model_validate_json(await request.body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise BadRequest(f"the register request{f' {field}' if field else ''}: {first['msg']} (send "
+                         '{"key": "/name", "offset": 0, "byte_size": N})', field=field or None) from None
+    _regions(request).register(name, body.key, body.offset, body.byte_size)
+    return _json({})
+
+
+@shm_router.post("/unregister", summary="Unregister every region", responses=protocol_errors(401, 404))
+@shm_router.post("/region/{name}/unregister", summary="Unregister one region", responses=protocol_errors(401, 404))
+async def shm_unregister(request: Request, name: str = "") -> Response:
+    _regions(request).unregister(name)
     return _json({})
