@@ -26,10 +26,12 @@ from service.core.errors import ServiceError
 from service.core.exchange import Answer
 from service.core.request import Request, RequestLimits, find_model
 from service.core.runtime import LoadedModel
+from service.core.shm import OutputRegion
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.status import details_of
 from service.protocols.v2 import (
     BadRequest,
+    SharedReads,
     binary_tensor,
     input_dtype,
     input_named,
@@ -73,7 +75,8 @@ class GrpcCodec:
         model = find_model(core.registry, message.model_name, message.model_version or None, "model_name",
                            "model_version")
         try:
-            return decode_for(model, message, core.limits, cost, self.stream)
+            shm = SharedReads(core.regions, core.inline_decode_bytes, core.loop_thread)
+            return decode_for(model, message, core.limits, cost, self.stream, shm)
         except ServiceError as e:
             e.model = model.name
             raise
@@ -83,22 +86,33 @@ class GrpcCodec:
 
 
 def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None,
-               stream: bool = False) -> tuple[Request, Encoder]:
+               stream: bool = False, shm: SharedReads | None = None) -> tuple[Request, Encoder]:
+    """`shm`: the shared memory it may name (none: system shared memory is off)."""
+    shm = shm or SharedReads(None, 0, None)
     inputs, raw = message.inputs, message.raw_input_contents
-    if raw and len(raw) != len(inputs):
-        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs)} inputs: give every input's "
-                         "data there, in the order of inputs, or none")
+    in_regions = sum("shared_memory_region" in t.parameters for t in inputs)
+    if raw and len(raw) != len(inputs) - in_regions:
+        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs) - in_regions} inputs not in "
+                         "shared memory: give every such input's data there, in the order of inputs, or none")
     seen: set[str] = set()
     tensors: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(inputs):
+    i = 0  # the next of raw_input_contents: one an input not in shared memory
+    for tensor in inputs:
         name = input_named(tensor.name, model, seen)
         shape = input_shape(list(tensor.shape), name)
         datatype = tensor.datatype
         dtype = input_dtype(datatype, name, model)
-        if raw:
+        parameters = tensor.parameters
+        if "shared_memory_region" in parameters:
+            if tensor.HasField("contents"):
+                raise BadRequest(f"input {name} has contents and a shared_memory_region: send one")
+            region, size, offset = _shm_parameters(parameters, f"input {name}")
+            tensors[name] = shm.tensor(region, size, offset, name, shape, datatype, dtype, cost)
+        elif raw:
             if tensor.HasField("contents"):
                 raise BadRequest(f"input {name} has both contents and raw_input_contents[{i}]: send one")
             tensors[name] = binary_tensor(raw[i], name, shape, datatype, dtype, cost, f"raw_input_contents[{i}]")
+            i += 1
         else:
             tensors[name] = _typed(tensor, name, shape, datatype, dtype, cost)
     names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
@@ -106,7 +120,25 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     request.held = cost.base if cost is not None else 0  # the message lives as long as the call
     if "timeout" in message.parameters:
         request.timeout_s = _timeout(message.parameters["timeout"])
-    return request, _encoder(names, message.id, stream)
+    targets = {o.name: shm.target(*_shm_parameters(o.parameters, f"output {o.name}"), o.name, request)
+               for o in message.outputs if "shared_memory_region" in o.parameters}
+    return request, _encoder(names, message.id, stream, targets)
+
+
+def _shm_parameters(parameters: Any, what: str) -> tuple[str, int, int]:
+    """shared_memory_region, _byte_size and _offset (0 where not given) of an input or output."""
+    def value(name: str, kind: str, required: bool = True) -> Any:
+        if name not in parameters:
+            if required:
+                raise BadRequest(f"{what}: shared_memory_region needs {name}")
+            return 0
+        given = parameters[name].WhichOneof("parameter_choice")
+        if given not in (kind, "uint64_param" if kind == "int64_param" else kind):
+            raise BadRequest(f"{what}: {name} must be a {kind}, got {given or 'no value'}")
+        return getattr(parameters[name], given)
+
+    return (value("shared_memory_region", "string_param"), value("shared_memory_byte_size", "int64_param"),
+            value("shared_memory_offset", "int64_param", False))
 
 
 def _timeout(parameter: Any) -> float | None:
@@ -132,15 +164,25 @@ def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dt
     return np.fromiter(values, dtype=dtype.newbyteorder("="), count=count).reshape(shape)
 
 
-def _encoder(names: list[str], request_id: str, stream: bool) -> Encoder:
-    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
+def _encoder(names: list[str], request_id: str, stream: bool, targets: dict[str, OutputRegion]) -> Encoder:
+    def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer | ServiceError:
         body = pb.ModelStreamInferResponse() if stream else pb.ModelInferResponse()
         response = body.infer_response if stream else body
         response.model_name, response.model_version, response.id = model.name, model.version_text, request_id
         for name in names:
             array = outputs[name]
-            response.outputs.add(name=name, datatype="FP32", shape=array.shape)
-            response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+            output = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+            target = targets.get(name)
+            if target is None:
+                response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+                continue
+            error = target.write(array)
+            if error is not None:
+                return error
+            # As Triton: where it went, and an empty raw_output_contents, so that the others' keep their places.
+            output.parameters["shared_memory_region"].string_param = target.region.name
+            output.parameters["shared_memory_byte_size"].int64_param = target.size
+            response.raw_output_contents.append(b"")
         # With the model that answered (the batch's snapshot): its statistics count the success.
         return Answer(body, [], GRPC, model)
 

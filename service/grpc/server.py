@@ -16,6 +16,8 @@ statistics, errors as status codes (service.grpc.status).
     ModelStreamInfer                          the API key, where ATTEND_API_KEYS is set
     RepositoryIndex, RepositoryModelLoad,
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
+    SystemSharedMemoryStatus, ...Register,
+    ...Unregister                             where ATTEND_SHARED_MEMORY is on (an admin key where they are set)
     grpc.health.v1.Health Check, List, Watch  open: SERVING while ready (gRPC's standard health checking)
     everything else                           UNIMPLEMENTED
 
@@ -48,6 +50,7 @@ from service.core.keys import check_api_key
 from service.core.logs import log_access, new_request_id
 from service.core.request import find_model
 from service.core.runtime import StartupError
+from service.core.shm import Regions
 from service.grpc import codec, guard
 from service.grpc.drain import drain
 from service.grpc.proto import grpc_service_pb2 as pb
@@ -163,7 +166,8 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                              ) -> pb.ServerMetadataResponse:
         self._key(context)
         return pb.ServerMetadataResponse(name="attend", version=self.version,
-                                         extensions=extensions(self.dataplane.model_control))
+                                         extensions=extensions(self.dataplane.model_control,
+                                                               self.dataplane.regions is not None))
 
     @_rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any  # noqa: N802
@@ -210,6 +214,29 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         self._admin(context)
         await self.dataplane.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    # ----------------------------------------------------------------------- system shared memory
+
+    def _regions(self, context: grpc.aio.ServicerContext) -> Regions:
+        return self.dataplane.check_shared_memory(_authorization(_metadata(context)))
+
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context: Any  # noqa: N802
+                                       ) -> pb.SystemSharedMemoryStatusResponse:
+        regions = self._regions(context).status(request.name)
+        return codec.message_from({"regions": {r["name"]: r for r in regions}}, pb.SystemSharedMemoryStatusResponse())
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest, context: Any  # noqa: N802
+                                         ) -> pb.SystemSharedMemoryRegisterResponse:
+        self._regions(context).register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,  # noqa: N802
+                                           context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
+        self._regions(context).unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     # -------------------------------------------------------------------------------- inference
 
@@ -432,7 +459,7 @@ def _unimplemented(name: str) -> Handler:
     return call
 
 
-# What the service does not serve (shared memory, trace and log settings) answers UNIMPLEMENTED
+# What the service does not serve (CUDA shared memory, trace and log settings) answers UNIMPLEMENTED
 # itself: the generated base class's methods raise NotImplementedError, run on a thread, and are logged
 # with a traceback by grpc.
 for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():
