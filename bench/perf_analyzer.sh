@@ -7,7 +7,10 @@
 #
 #   bench/perf_analyzer.sh [--protocol http|grpc|grpc-stream] [--url http://HOST:PORT [--grpc-url HOST:PORT] | --repository DIR]
 #                          [--concurrency "1 2 4 8 16"] [--seconds 1] [--stability 50] [--max-memory-gb 16]
-#                          [--max-trials 6] [--out FILE]
+#                          [--max-trials 6] [--shared-memory none|system] [--out FILE]
+#
+# --shared-memory system: the tensors go through system shared memory (perf_analyzer registers its regions;
+# the service it starts has ATTEND_SHARED_MEMORY=true), not in the requests and responses.
 #
 # Without --url it starts `python -m service` on a free port, pinned to core 0 (one ONNX Runtime thread; on
 # the CPU execution provider unless ATTEND_DEVICE says otherwise, e.g. cuda on a GPU machine),
@@ -38,6 +41,7 @@ STABILITY=50
 MAX_MEMORY_GB=16
 MAX_TRIALS=6
 OUT=""
+SHARED_MEMORY=none
 PROTOCOL=http
 GRPC_URL=""
 while [ $# -gt 0 ]; do
@@ -52,6 +56,7 @@ while [ $# -gt 0 ]; do
         --max-memory-gb) MAX_MEMORY_GB=$2; shift 2 ;;
         --max-trials) MAX_TRIALS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
+        --shared-memory) SHARED_MEMORY=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -59,6 +64,10 @@ done
 case $PROTOCOL in
     http|grpc|grpc-stream) ;;
     *) echo "--protocol is http, grpc or grpc-stream, not $PROTOCOL" >&2; exit 2 ;;
+esac
+case $SHARED_MEMORY in
+    none|system) ;;
+    *) echo "--shared-memory is none or system, not $SHARED_MEMORY" >&2; exit 2 ;;
 esac
 if [ "$PROTOCOL" != http ] && [ -n "$URL" ] && [ -z "$GRPC_URL" ]; then
     echo "--protocol $PROTOCOL with --url needs --grpc-url HOST:PORT (the service's ATTEND_GRPC_PORT)" >&2; exit 2
@@ -118,6 +127,7 @@ if [ -z "$URL" ]; then
     [ -d "$REPOSITORY" ] || "$PYTHON" -m export --repository "$REPOSITORY" >&2
     GRPC_PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     GRPC_URL=127.0.0.1:$GRPC_PORT
+    ATTEND_SHARED_MEMORY=$([ "$SHARED_MEMORY" = system ] && echo true || echo false) \
     ATTEND_PORT=$PORT ATTEND_GRPC_PORT=$GRPC_PORT ATTEND_MODEL_REPOSITORY=$REPOSITORY ATTEND_INTRA_OP_THREADS=1 \
         ATTEND_LOG_LEVEL=warning ATTEND_DEVICE=${ATTEND_DEVICE:-cpu} taskset -c 0 "$PYTHON" -m service 2>"$RUN/service.log" &
     SERVICE_PID=$!
@@ -136,6 +146,9 @@ case $PROTOCOL in
     grpc-stream) FLAGS="-i grpc --streaming"; TARGET=(-u "$GRPC_URL" -i grpc --streaming) ;;
     http) FLAGS="-i http"; TARGET=(-u "${URL#http://}" -i http --input-tensor-format binary --output-tensor-format binary) ;;
 esac
+if [ "$SHARED_MEMORY" = system ]; then  # W2's largest output, its weights: 8 x 128 x 128 x 4 bytes
+    FLAGS+=" --shared-memory system"; TARGET+=(--shared-memory system --output-shared-memory-size 524288)
+fi
 SERVER=""
 TABLE="| concurrency | requests/s (batch 8) | inferences/s | p50 ms | p90 ms | p99 ms |
 | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -184,8 +197,9 @@ print(f"| {row['Concurrency']} | {inferences / 8:.0f} | {inferences:.0f} | {ms['
 EOF
 )
 done
-COMMAND="bench/perf_analyzer.sh --protocol $PROTOCOL --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
+COMMAND="bench/perf_analyzer.sh --protocol $PROTOCOL --shared-memory $SHARED_MEMORY --concurrency \"$CONCURRENCY\" --seconds $SECONDS_PER_POINT --stability $STABILITY --max-trials $MAX_TRIALS"
 if [ "$PROTOCOL" != http ]; then TENSORS="raw contents in and out"; else TENSORS="binary tensors in and out"; fi
+if [ "$SHARED_MEMORY" = system ]; then TENSORS="tensors in system shared memory"; fi
 TEXT="perf_analyzer $VERSION (\`$FLAGS -b 8\`, $TENSORS, \`--input-data\` of W2's rows) against $SERVED; perf_analyzer on core 1. Command: \`$COMMAND\`.
 
 $TABLE

@@ -35,7 +35,17 @@ log = logging.getLogger("service")
 def create_app() -> AttendApp:
     """The app, with the settings of the environment: a factory for `uvicorn --factory` (and any server
     that calls one; every worker process calls it again)."""
-    return _create_app(_new_process())
+    return _create_app(without_shared_memory(_new_process(), "uvicorn --factory"))
+
+
+def without_shared_memory(settings: Settings, server: str) -> Settings:
+    """System shared memory is `python -m service`'s: under another server each process would hold regions
+    of its own, which a client's next request, sent to another, would not find."""
+    if not settings.shared_memory:
+        return settings
+    log.warning("ATTEND_SHARED_MEMORY=true is for python -m service; under %s it is off (each process would have "
+                "regions of its own)", server)
+    return settings.model_copy(update={"shared_memory": False})
 
 
 def _new_process() -> Settings:

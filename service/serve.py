@@ -27,6 +27,7 @@ import ray
 from ray import serve
 from starlette.types import Message, Receive, Scope, Send
 
+from service.asgi import without_shared_memory
 from service.config import Settings, get_settings
 from service.core.logs import configure_logging
 from service.http.app import AttendApp, create_app
@@ -83,6 +84,7 @@ def build_app() -> _OneRequestId:
     sessions, threads and a metrics registry, none of which could be pickled there and shipped)."""
     settings = replica_settings()
     configure_logging(settings.log_level)
+    settings = without_shared_memory(settings, "Ray Serve")
     # The batching's load hint is the dataplane's own: Serve sends a replica requests one by one, so
     # those in flight are all a batch can wait for.
     return _OneRequestId(create_app(settings))

@@ -153,17 +153,8 @@ class Regions:
         return self.folder / key.lstrip("/")
 
     def _size(self, key: str) -> int:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise InvalidRegion(f"cannot open {excerpt(key)!r} in /dev/shm: {e.strerror}") from None
-        try:
-            info = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidRegion(f"{excerpt(key)!r} in /dev/shm is not a shared memory object")
-        return info.st_size
+        with _Fd(self._path(key), os.O_RDONLY, Region("", key, 0, 0)) as fd:
+            return os.fstat(fd).st_size
 
     def _open(self, region: Region, flags: int) -> _Fd:
         return _Fd(self._path(region.key), flags, region)
@@ -198,14 +189,18 @@ class Regions:
 
 
 class _Fd:
-    """The region's object, open for one read or write (a missing one: InvalidRegion)."""
+    """The region's object, open for one read or write: a missing one, a link, or one that is not a file (a
+    FIFO would block the open, a device read forever) is InvalidRegion."""
 
     def __init__(self, path: Path, flags: int, region: Region):
+        whose = f"region {excerpt(region.name)!r}: " if region.name else ""
         try:
-            self.fd = os.open(path, flags | os.O_NOFOLLOW)
+            self.fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
-            raise InvalidRegion(f"region {excerpt(region.name)!r}: cannot open {excerpt(region.key)!r}: "
-                                f"{e.strerror}") from None
+            raise InvalidRegion(f"{whose}cannot open {excerpt(region.key)!r} in /dev/shm: {e.strerror}") from None
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            raise InvalidRegion(f"{whose}{excerpt(region.key)!r} in /dev/shm is not a shared memory object")
 
     def __enter__(self) -> int:
         return self.fd

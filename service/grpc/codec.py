@@ -171,7 +171,7 @@ def _encoder(names: list[str], request_id: str, stream: bool, targets: dict[str,
         response.model_name, response.model_version, response.id = model.name, model.version_text, request_id
         for name in names:
             array = outputs[name]
-            output = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+            response.outputs.add(name=name, datatype="FP32", shape=array.shape)
             target = targets.get(name)
             if target is None:
                 response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
@@ -179,10 +179,7 @@ def _encoder(names: list[str], request_id: str, stream: bool, targets: dict[str,
             error = target.write(array)
             if error is not None:
                 return error
-            # As Triton: where it went, and an empty raw_output_contents, so that the others' keep their places.
-            output.parameters["shared_memory_region"].string_param = target.region.name
-            output.parameters["shared_memory_byte_size"].int64_param = target.size
-            response.raw_output_contents.append(b"")
+            response.raw_output_contents.append(b"")  # as Triton: the others' keep their places
         # With the model that answered (the batch's snapshot): its statistics count the success.
         return Answer(body, [], GRPC, model)
 

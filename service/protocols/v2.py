@@ -381,12 +381,10 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
             array = outputs[name]
             entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
             target = targets.get(name)
-            if target is not None:  # in its region: the entry says where, as Triton's
-                error = target.write(array)
+            if target is not None:  # in its region; the entry has no parameters (Triton's C++ client reads
+                error = target.write(array)  # any there as a binary output's)
                 if error is not None:
                     return error
-                entry["parameters"] = {"shared_memory_region": target.region.name,
-                                       "shared_memory_byte_size": target.size}
             elif binary:
                 blob = np.ascontiguousarray(array, dtype="<f4")
                 entry["parameters"] = {"binary_data_size": blob.nbytes}
