@@ -85,18 +85,18 @@ class Regions:
             raise InvalidRegion(f"a region's name must be 1 to {MAX_NAME} characters, got {len(name)}")
         if not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
             raise InvalidRegion(f"key must name one object of /dev/shm (letters, digits, '_', '-', '.'; one leading "
-                                f"'/' at most), got {excerpt(key)!r}")
+                                f"'/' at most), got {excerpt(key)}")
         if byte_size <= 0:
             raise InvalidRegion(f"byte_size must be positive, got {byte_size}")
         size = self._size(key)
         if offset + byte_size > size:
-            raise InvalidRegion(f"region {excerpt(name)!r}: offset {offset} + byte_size {byte_size} is past the end "
-                                f"of {excerpt(key)!r}, {size} bytes")
+            raise InvalidRegion(f"region {excerpt(name)}: offset {offset} + byte_size {byte_size} is past the end "
+                                f"of {excerpt(key)}, {size} bytes")
         region = Region(name, key, offset, byte_size)
 
         def add(regions: dict[str, Region]) -> None:
             if name in regions:
-                raise InvalidRegion(f"a region named {excerpt(name)!r} is registered already: unregister it first")
+                raise InvalidRegion(f"a region named {excerpt(name)} is registered already: unregister it first")
             if len(regions) >= MAX_REGIONS:
                 raise InvalidRegion(f"{MAX_REGIONS} regions are registered, the most at once: unregister one first")
             regions[name] = region
@@ -116,7 +116,7 @@ class Regions:
     def get(self, name: str) -> Region:
         region = self._current().get(name)
         if region is None:
-            raise RegionNotFound(f"no system shared memory region {excerpt(name)!r} is registered")
+            raise RegionNotFound(f"no system shared memory region {excerpt(name)} is registered")
         return region
 
     # ------------------------------------------------------------------------------------ the data
@@ -128,8 +128,8 @@ class Regions:
         with self._open(region, os.O_RDONLY) as fd:
             got = os.preadv(fd, [memoryview(array).cast("B")], at) if size else 0
         if got != size:
-            raise InvalidRegion(f"{what}: region {excerpt(name)!r} has {got} of its {size} bytes at offset {offset}: "
-                                f"its object {excerpt(region.key)!r} shrank since it was registered")
+            raise InvalidRegion(f"{what}: region {excerpt(name)} has {got} of its {size} bytes at offset {offset}: "
+                                f"its object {excerpt(region.key)} shrank since it was registered")
         return array
 
     def target(self, name: str, size: int, offset: int, needed: int, what: str) -> OutputRegion:
@@ -146,7 +146,7 @@ class Regions:
         region = self.get(name)
         if size < 0 or offset < 0 or offset + size > region.byte_size:
             raise InvalidRegion(f"{what}: offset {offset} + shared_memory_byte_size {size} is past the end of region "
-                                f"{excerpt(name)!r}, {region.byte_size} bytes")
+                                f"{excerpt(name)}, {region.byte_size} bytes")
         return region, region.offset + offset
 
     def _path(self, key: str) -> Path:
@@ -193,14 +193,14 @@ class _Fd:
     FIFO would block the open, a device read forever) is InvalidRegion."""
 
     def __init__(self, path: Path, flags: int, region: Region):
-        whose = f"region {excerpt(region.name)!r}: " if region.name else ""
+        whose = f"region {excerpt(region.name)}: " if region.name else ""
         try:
             self.fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
-            raise InvalidRegion(f"{whose}cannot open {excerpt(region.key)!r} in /dev/shm: {e.strerror}") from None
+            raise InvalidRegion(f"{whose}cannot open {excerpt(region.key)} in /dev/shm: {e.strerror}") from None
         if not stat.S_ISREG(os.fstat(self.fd).st_mode):
             os.close(self.fd)
-            raise InvalidRegion(f"{whose}{excerpt(region.key)!r} in /dev/shm is not a shared memory object")
+            raise InvalidRegion(f"{whose}{excerpt(region.key)} in /dev/shm is not a shared memory object")
 
     def __enter__(self) -> int:
         return self.fd
@@ -228,8 +228,8 @@ class OutputRegion:
         except InvalidRegion as e:
             return e
         except OSError as e:
-            return InvalidRegion(f"region {excerpt(self.region.name)!r}: the output could not be written: {e.strerror}")
+            return InvalidRegion(f"region {excerpt(self.region.name)}: the output could not be written: {e.strerror}")
         if written != len(data):
-            return InvalidRegion(f"region {excerpt(self.region.name)!r}: {written} of the output's {len(data)} bytes "
+            return InvalidRegion(f"region {excerpt(self.region.name)}: {written} of the output's {len(data)} bytes "
                                  "were written")
         return None

@@ -222,7 +222,7 @@ def output_shape(request: Request, name: str) -> list[int]:
 
 
 def _shown(value: Any) -> str:
-    return repr(excerpt(value)) if isinstance(value, str) else json_type(value)
+    return excerpt(value) if isinstance(value, str) else json_type(value)
 
 
 SHM = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
