@@ -1,6 +1,7 @@
 """Triton's perf_analyzer (2.60, the binary itself, through Debian 13's loader) drives the service's
-Open Inference Protocol, over HTTP, gRPC and gRPC's stream: a short sweep, the binary's exit status checked, a table
-of real numbers, and its server-side breakdown from the service's statistics extension."""
+Open Inference Protocol, over HTTP, gRPC and gRPC's stream, and with system shared memory: a short sweep,
+the binary's exit status checked, a table of real numbers, and its server-side breakdown from the service's
+statistics extension."""
 
 import os
 import re
@@ -18,9 +19,11 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
                     reason="not a Debian machine (no apt-get or dpkg-deb): the script runs perf_analyzer "
                            "through Debian 13's libc, which it fetches with them")
-@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-stream"])
-def test_perf_analyzer_runs_against_the_service(repository, protocol):
+@pytest.mark.parametrize(("protocol", "shared_memory"), [("http", "none"), ("grpc", "none"), ("grpc-stream", "none"),
+                                                      ("http", "system"), ("grpc", "system")])
+def test_perf_analyzer_runs_against_the_service(repository, protocol, shared_memory):
     command = ["bash", "bench/perf_analyzer.sh", "--protocol", protocol, "--repository", str(repository),
+               "--shared-memory", shared_memory,
                "--concurrency", "1 2",
                # Windows of 1 s, 3 a point (the fewest its stabilisation can judge): perf_analyzer keeps
                # what it sends and receives (~1.6 MB a request), and in full test runs its concurrency-4
@@ -44,7 +47,8 @@ def test_perf_analyzer_runs_against_the_service(repository, protocol):
             break
         print(result.stdout[-1000:], result.stderr[-1000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    flags = {"grpc-stream": "-i grpc --streaming"}.get(protocol, f"-i {protocol}")
+    flags = {"grpc-stream": "-i grpc --streaming"}.get(protocol, f"-i {protocol}") + (
+        " --shared-memory system" if shared_memory == "system" else "")
     assert f"(`{flags} -b 8`" in result.stdout, result.stdout[:500]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|", result.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"], result.stdout

@@ -169,6 +169,23 @@ def test_register_status_and_unregister(server, protocol):
         assert names() == []
 
 
+def test_at_most_max_regions_are_registered(server):
+    """A bound on what registering holds (a line each of the file the workers share): past it, a 400."""
+    from service.core.shm import MAX_REGIONS
+
+    client = _client("http", server)
+    with _region(8) as (_, key):
+        try:
+            for i in range(MAX_REGIONS):
+                client.register_system_shared_memory(f"r{i}", key, 8)
+            error = _error(lambda: client.register_system_shared_memory("one-more", key, 8))
+            assert error.status() == "400" and f"{MAX_REGIONS} regions are registered" in error.message(), error
+            assert len(client.get_system_shared_memory_status()) == MAX_REGIONS
+        finally:
+            client.unregister_system_shared_memory()
+        assert client.get_system_shared_memory_status() == []
+
+
 def test_refusals_name_the_field(server):
     url, _ = server
     client = _client("http", server)
