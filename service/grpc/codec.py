@@ -5,6 +5,8 @@ shape and datatype, binary tensors, the requested outputs, /attend's checks of t
     inputs[i].contents      typed: fp32_contents (FP32), fp64_contents (FP64), int64_contents (INT64),
                             int_contents (INT32); FP16 only as raw bytes
     raw_input_contents[i]   raw little-endian bytes of inputs[i], for every input or none (as Triton)
+    shared_memory_*         an input's data, or where an output goes, in system shared memory (those
+                            inputs have no raw_input_contents; those outputs an empty one)
     outputs                 the outputs asked for (all where none is named), always as
                             raw_output_contents (FP32), in the order asked
 
@@ -92,8 +94,9 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     inputs, raw = message.inputs, message.raw_input_contents
     in_regions = sum("shared_memory_region" in t.parameters for t in inputs)
     if raw and len(raw) != len(inputs) - in_regions:
-        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs) - in_regions} inputs not in "
-                         "shared memory: give every such input's data there, in the order of inputs, or none")
+        which, such = (" not in shared memory", "such ") if in_regions else ("", "")
+        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs) - in_regions} inputs{which}: "
+                         f"give every {such}input's data there, in the order of inputs, or none")
     seen: set[str] = set()
     tensors: dict[str, np.ndarray] = {}
     i = 0  # the next of raw_input_contents: one an input not in shared memory

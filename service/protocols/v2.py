@@ -3,7 +3,8 @@ extension: the codec, nothing else. Inference requests become the same `Request`
 through the same dataplane (batching with /attend's requests, limits, deadlines, metrics, keys).
 
     POST /v2/models/{m}[/versions/{v}]/infer   JSON tensors ("data" flat or nested), or a JSON header
-                                               (Inference-Header-Content-Length) and raw little-endian bytes
+                                               (Inference-Header-Content-Length) and raw little-endian bytes;
+                                               any input or output in system shared memory (SharedReads)
 
 Errors are the protocol's `{"error": "<message>"}` with the status. Every size a client states is
 checked against the body before a byte of it is read as a tensor. Model metadata and Triton's model
@@ -149,7 +150,7 @@ class _Reader:
     """The tensors of one inference request: the binary tail is handed out in the order of the
     inputs that declare a binary_data_size, each size checked against what is left."""
 
-    def __init__(self, binary: memoryview, cost: Cost | None = None, shm: SharedReads | None = None):
+    def __init__(self, binary: memoryview, cost: Cost | None, shm: SharedReads):
         self.binary = binary
         self.offset = 0
         self.cost = cost  # where what a tensor's cast or copy will hold is counted, before it is made
@@ -223,9 +224,6 @@ def output_shape(request: Request, name: str) -> list[int]:
 
 def _shown(value: Any) -> str:
     return excerpt(value) if isinstance(value, str) else json_type(value)
-
-
-SHM = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 # What every transport of the protocol checks of an input tensor, in this order (HTTP's JSON and binary
@@ -381,8 +379,9 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
             array = outputs[name]
             entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
             target = targets.get(name)
-            if target is not None:  # in its region; the entry has no parameters (Triton's C++ client reads
-                error = target.write(array)  # any there as a binary output's)
+            if target is not None:
+                # In its region. Its entry has no parameters: Triton's C++ client reads any as a binary output's.
+                error = target.write(array)
                 if error is not None:
                     return error
             elif binary:

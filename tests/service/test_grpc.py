@@ -299,8 +299,12 @@ def test_errors_are_status_codes_naming_the_input(server):
                 request.parameters["timeout"].string_param = value
             assert _error(lambda request=request: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT, (
                 f"parameter timeout must be a non-negative int64_param (microseconds), got {said}"))
+        assert _error(lambda: stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest())) == (
+            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement CudaSharedMemoryStatus")
+        # System shared memory is off here (ATTEND_SHARED_MEMORY), as HTTP's routes are 404.
         assert _error(lambda: stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())) == (
-            grpc.StatusCode.UNIMPLEMENTED, "this server does not implement SystemSharedMemoryStatus")
+            grpc.StatusCode.NOT_FOUND, "system shared memory is off: ATTEND_SHARED_MEMORY=true turns it on, for "
+            "clients on this host")
         # Model control is off here: the repository calls are NOT_FOUND, as HTTP's routes are 404.
         code, details = _error(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()))
         assert code == grpc.StatusCode.NOT_FOUND and details.startswith("model control is off")
