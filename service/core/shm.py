@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ class Regions:
         self.folder = folder
         self._regions: dict[str, Region] = {}
         self._stamp: tuple[int, int, int] | None = None
+        self._changing = threading.Lock()  # the calls run on threads (service.http.routes.v2, service.grpc.server)
 
     # ---------------------------------------------------------------------- register, status, unregister
 
@@ -175,6 +177,10 @@ class Regions:
         return self._regions
 
     def _change(self, change: Any) -> None:
+        with self._changing:
+            self._change_locked(change)
+
+    def _change_locked(self, change: Any) -> None:
         if self.file is None:
             change(self._regions)
             return

@@ -92,11 +92,12 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     """`shm`: the shared memory it may name (none: system shared memory is off)."""
     shm = shm or SharedReads(None, 0, None)
     inputs, raw = message.inputs, message.raw_input_contents
-    in_regions = sum("shared_memory_region" in t.parameters for t in inputs)
-    if raw and len(raw) != len(inputs) - in_regions:
-        which, such = (" not in shared memory", "such ") if in_regions else ("", "")
-        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs) - in_regions} inputs{which}: "
-                         f"give every {such}input's data there, in the order of inputs, or none")
+    if raw and len(raw) != len(inputs):  # one each, unless some are in shared memory
+        in_regions = sum("shared_memory_region" in t.parameters for t in inputs)
+        if len(raw) != len(inputs) - in_regions:
+            which, such = (" not in shared memory", "such ") if in_regions else ("", "")
+            raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(inputs) - in_regions} "
+                             f"inputs{which}: give every {such}input's data there, in the order of inputs, or none")
     seen: set[str] = set()
     tensors: dict[str, np.ndarray] = {}
     i = 0  # the next of raw_input_contents: one an input not in shared memory

@@ -223,19 +223,20 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context: Any  # noqa: N802
                                        ) -> pb.SystemSharedMemoryStatusResponse:
-        regions = self._regions(context).status(request.name)
+        regions = await asyncio.to_thread(self._regions(context).status, request.name)
         return codec.message_from({"regions": {r["name"]: r for r in regions}}, pb.SystemSharedMemoryStatusResponse())
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest, context: Any  # noqa: N802
                                          ) -> pb.SystemSharedMemoryRegisterResponse:
-        self._regions(context).register(request.name, request.key, request.offset, request.byte_size)
+        await asyncio.to_thread(self._regions(context).register, request.name, request.key, request.offset,
+                                request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_rpc
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,  # noqa: N802
                                            context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
-        self._regions(context).unregister(request.name)
+        await asyncio.to_thread(self._regions(context).unregister, request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # -------------------------------------------------------------------------------- inference

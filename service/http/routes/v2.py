@@ -17,6 +17,7 @@ admin operations: see service.http.app.require_admin).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -157,6 +158,7 @@ async def require_shared_memory(request: Request) -> None:
 
 
 def _regions(request: Request) -> Regions:
+    # Its calls go to a thread: with workers they lock and write the file the workers share.
     return request.app.state.dataplane.regions
 
 
@@ -167,7 +169,7 @@ shm_router = APIRouter(prefix="/v2/systemsharedmemory", tags=["Open Inference Pr
 @shm_router.get("/status", summary="Every registered region", responses=protocol_errors(401, 404))
 @shm_router.get("/region/{name}/status", summary="One registered region", responses=protocol_errors(401, 404))
 async def shm_status(request: Request, name: str = "") -> Response:
-    return _json(_regions(request).status(name))
+    return _json(await asyncio.to_thread(_regions(request).status, name))
 
 
 @shm_router.post("/region/{name}/register", summary="Register a region of an object in /dev/shm",
@@ -181,12 +183,12 @@ async def shm_register(request: Request, name: str) -> Response:
         field = ".".join(str(p) for p in first["loc"])
         raise BadRequest(f"the register request{f' {field}' if field else ''}: {first['msg']} (send "
                          '{"key": "/name", "offset": 0, "byte_size": N})', field=field or None) from None
-    _regions(request).register(name, body.key, body.offset, body.byte_size)
+    await asyncio.to_thread(_regions(request).register, name, body.key, body.offset, body.byte_size)
     return _json({})
 
 
 @shm_router.post("/unregister", summary="Unregister every region", responses=protocol_errors(401, 404))
 @shm_router.post("/region/{name}/unregister", summary="Unregister one region", responses=protocol_errors(401, 404))
 async def shm_unregister(request: Request, name: str = "") -> Response:
-    _regions(request).unregister(name)
+    await asyncio.to_thread(_regions(request).unregister, name)
     return _json({})
