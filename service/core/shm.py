@@ -127,8 +127,13 @@ class Regions:
         """`size` bytes at `offset` of the region, as a new flat array of `dtype` (`what`: whose, for errors)."""
         region, at = self._span(name, size, offset, what)
         array = np.empty(size // dtype.itemsize, dtype=dtype)
+        into, got = memoryview(array).cast("B"), 0
         with self._open(region, os.O_RDONLY) as fd:
-            got = os.preadv(fd, [memoryview(array).cast("B")], at) if size else 0
+            while got < size:  # one read moves at most ~2 GiB; 0: the object ends there
+                step = os.preadv(fd, [into[got:]], at + got)
+                if not step:
+                    break
+                got += step
         if got != size:
             raise InvalidRegion(f"{what}: region {excerpt(name)} has {got} of its {size} bytes at offset {offset}: "
                                 f"its object {excerpt(region.key)} shrank since it was registered")
@@ -228,9 +233,14 @@ class OutputRegion:
         """The output written (on the run's thread); an error for this request alone where it cannot be,
         which its batch does not share."""
         data = memoryview(np.ascontiguousarray(array, dtype="<f4")).cast("B")
+        written = 0
         try:
             with _Fd(self.path, os.O_WRONLY, self.region) as fd:
-                written = os.pwrite(fd, data, self.at)
+                while written < len(data):  # one write moves at most ~2 GiB
+                    step = os.pwrite(fd, data[written:], self.at + written)
+                    if not step:
+                        break
+                    written += step
         except InvalidRegion as e:
             return e
         except OSError as e:
