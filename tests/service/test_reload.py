@@ -265,6 +265,10 @@ def test_a_load_reloads_a_version_changed_in_place_and_only_then(repo, tmp_path)
         old = _outputs(url)
         load = f"{url}/v2/repository/models/multi_head/load"
         assert httpx.post(load, headers=ADMIN, timeout=60).status_code == 200  # unchanged: nothing loaded
+        # Info lines are written every 0.2 s: the start's may still be queued (CI at c701953 read an empty log).
+        deadline = time.monotonic() + 5
+        while "ready:" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert log.read_text().count("loaded model multi_head") == 1
         _replace_in_place(other / "multi_head" / "1", repo / "multi_head" / "1")
         shutil.copyfile(other / "multi_head" / "config.json", repo / "multi_head" / "config.json")
