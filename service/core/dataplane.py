@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sized
@@ -55,6 +57,7 @@ from service.core.exchange import Exchange, serve
 from service.core.gpu import device_budget
 from service.core.keys import check_api_key
 from service.core.load import InFlight, Total
+from service.core.logs import apply_log_settings, changed_log_settings
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
@@ -203,6 +206,7 @@ class Dataplane:
         self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s,
                                     counted=self.metrics.model_loaded, **workers)
         await self.control.follow()  # a worker started in place of one that died: as the others
+        self.follow_log_settings()
         if settings.poll_s:
             self.scheduler.spawn(self.control.poll(settings.poll_s))
         self.scheduler.spawn(_trim_memory_when_idle(self))
@@ -254,6 +258,7 @@ class Dataplane:
     def reload_changed(self, signalled: bool = True) -> None:
         """SIGHUP: load every model whose newest version in the repository is not the one served (and once
         the server handles SIGHUP, `signalled` false: for what changed while it started)."""
+        self.follow_log_settings()  # with workers, another's POST /v2/logging sent the SIGHUP
         if self.ready:
             if signalled:
                 log.info("SIGHUP: loading the models whose newest version changed")
@@ -308,17 +313,42 @@ class Dataplane:
         self.served_since_trim += 1
         self.metrics.request_started()
 
-    def check_admin(self, authorization: bytes | None) -> None:
-        """Model control (load, unload, the repository index): an admin key where ATTEND_ADMIN_KEYS is set;
-        else off (ControlOff, 404), unless ATTEND_MODEL_CONTROL=true opens it (then the API keys, if any,
-        apply as to every route)."""
+    def check_admin(self, authorization: bytes | None, what: str = "model control") -> None:
+        """An admin call (model control: load, unload, the repository index; a change of the log settings): an
+        admin key where ATTEND_ADMIN_KEYS is set; else off (ControlOff, 404), unless ATTEND_MODEL_CONTROL=true
+        opens it (then the API keys, if any, apply as to every route). `what`: the call, for the refusal."""
         if self.admin_keys:
             check_api_key(authorization, self.admin_keys)
         elif not self.model_control:
-            raise ControlOff("model control is off: set ATTEND_ADMIN_KEYS (or ATTEND_MODEL_CONTROL=true on a "
-                             "trusted network)")
+            raise ControlOff(f"{what} is off: set ATTEND_ADMIN_KEYS (or ATTEND_MODEL_CONTROL=true on a trusted "
+                             "network)")
         elif self.api_keys:
             check_api_key(authorization, self.api_keys)
+
+    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Triton's log settings changed (service.core.logs): here, and with workers in them all, through a file
+        they share and SIGHUP to the supervisor (each reads it: `follow_log_settings`)."""
+        settings = changed_log_settings(changes)
+        # Before: where the new settings turn warnings off, the line is still there.
+        log.warning("log settings changed: %s", ", ".join(f"{k}={v}" for k, v in sorted(changes.items())))
+        apply_log_settings(settings)
+        if self.timings_folder is not None:
+            file = Path(self.timings_folder) / "log.json"
+            with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False) as out:
+                json.dump(settings, out)
+            os.replace(out.name, file)
+            tell_supervisor(os.getppid())
+        return settings
+
+    def follow_log_settings(self) -> None:
+        """With workers: the log settings another worker was given, if any."""
+        if self.timings_folder is None:
+            return
+        try:
+            settings = json.loads((Path(self.timings_folder) / "log.json").read_bytes())
+        except FileNotFoundError:
+            return
+        apply_log_settings(settings)
 
     def check_shared_memory(self, authorization: bytes | None) -> Regions:
         """System shared memory's register, status and unregister: on (ATTEND_SHARED_MEMORY), and an admin key

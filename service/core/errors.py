@@ -87,7 +87,7 @@ class ModelNotFound(ServiceError):
 
 
 class ControlOff(ServiceError):
-    """Model control (load, unload, the repository index) is off."""
+    """An admin call is off: model control (load, unload, the repository index), or a change of the log settings."""
 
     status, code = 404, "not_found"
     advice = "Set ATTEND_ADMIN_KEYS and send one of them, or ATTEND_MODEL_CONTROL=true on a trusted network."

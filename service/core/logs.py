@@ -18,6 +18,8 @@ import time
 from collections import deque
 from typing import Any
 
+from service.core.errors import ServiceError
+
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 # "trace_id=... span_id=..." of the request being served, while tracing is on (service.core.tracing): at the end
 # of its log lines, so that a line leads to its trace.
@@ -199,3 +201,56 @@ def log_access(method: str, path: str, status: int, seconds: float, ids: str | N
             access.info("%s %s %d %.1fms", method, path, status or 499, 1e3 * seconds)
 
 
+
+
+# ------------------------------------------------------------------------- Triton's logging extension
+
+
+class InvalidLogSettings(ServiceError):
+    """A log setting that is not one of Triton's, or a value it cannot take (GET /v2/logging lists them)."""
+
+    status, code = 400, "invalid_log_settings"
+    advice = ("Send some of log_info, log_warning, log_error (true or false) and log_verbose_level (0, or more for "
+              "debug lines); log_file is \"\" and log_format \"default\": the service logs to its standard error.")
+
+
+_SETTINGS: dict[str, type] = {"log_file": str, "log_info": bool, "log_warning": bool, "log_error": bool,
+                              "log_verbose_level": int, "log_format": str}
+
+
+def log_settings() -> dict[str, Any]:
+    """Triton's log settings, as the root logger's level has them (debug: a verbose level of 1)."""
+    level = logging.getLogger().level
+    return {"log_file": "", "log_info": level <= logging.INFO, "log_warning": level <= logging.WARNING,
+            "log_error": level <= logging.ERROR, "log_verbose_level": int(level <= logging.DEBUG),
+            "log_format": "default"}
+
+
+def changed_log_settings(changes: dict[str, Any]) -> dict[str, Any]:
+    """The settings after `changes` (a subset of log_settings'), checked (InvalidLogSettings), not applied."""
+    settings = log_settings()
+    for name, value in changes.items():
+        kind = _SETTINGS.get(name)
+        if kind is None:
+            raise InvalidLogSettings(f"{escape(str(name))[:100]} is not a log setting; they are "
+                                     f"{', '.join(_SETTINGS)}", field=name[:100])
+        if value.__class__ is not kind or (kind is int and value < 0):
+            shown = {bool: "true or false", int: "a non-negative integer", str: "a string"}[kind]
+            raise InvalidLogSettings(f"{name} must be {shown}", field=name)
+        settings[name] = value
+    if settings["log_file"]:
+        raise InvalidLogSettings("log_file must be \"\": the service logs to its standard error, never to a file "
+                                 "a request names", field="log_file")
+    if settings["log_format"] != "default":
+        raise InvalidLogSettings("log_format must be \"default\", the service's one format", field="log_format")
+    return settings
+
+
+def apply_log_settings(settings: dict[str, Any]) -> None:
+    """The level `settings` say: debug where the verbose level is above 0, else the least severe of info,
+    warning and error that is on (critical where none is)."""
+    level = (logging.DEBUG if settings["log_verbose_level"] else logging.INFO if settings["log_info"] else
+             logging.WARNING if settings["log_warning"] else logging.ERROR if settings["log_error"] else
+             logging.CRITICAL)
+    logging.getLogger().setLevel(level)
+    logging.getLogger("uvicorn.error").setLevel(logging.NOTSET if level == logging.DEBUG else logging.WARNING)

@@ -18,6 +18,7 @@ statistics, errors as status codes (service.grpc.status).
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
     SystemSharedMemoryStatus, ...Register,
     ...Unregister                             where ATTEND_SHARED_MEMORY is on (an admin key where they are set)
+    LogSettings                               the API key to read them, an admin call to change them
     grpc.health.v1.Health Check, List, Watch  open: SERVING while ready (gRPC's standard health checking)
     everything else                           UNIMPLEMENTED
 
@@ -47,7 +48,7 @@ from service.core.dataplane import Dataplane
 from service.core.errors import ClientGone, DeadlineExceeded, RouteNotFound, ServiceError, excerpt
 from service.core.exchange import Answer
 from service.core.keys import check_api_key
-from service.core.logs import log_access, new_request_id
+from service.core.logs import log_access, log_settings, new_request_id
 from service.core.request import find_model
 from service.core.runtime import StartupError
 from service.core.shm import Regions
@@ -214,6 +215,25 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         self._admin(context)
         await self.dataplane.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    # ------------------------------------------------------------------------------------ logging
+
+    @_rpc
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:  # noqa: N802
+        """Triton's log settings: none in the request reads them (the API key); some change them (an admin call)."""
+        if request.settings:
+            self.dataplane.check_admin(_authorization(_metadata(context)), "changing the log settings")
+            changes = {name: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+                       for name, value in request.settings.items()}
+            settings = self.dataplane.update_log_settings(changes)
+        else:
+            self._key(context)
+            settings = log_settings()
+        response = pb.LogSettingsResponse()
+        for name, value in settings.items():
+            field = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(value)]
+            setattr(response.settings[name], field, value)
+        return response
 
     # ----------------------------------------------------------------------- system shared memory
 
@@ -460,7 +480,7 @@ def _unimplemented(name: str) -> Handler:
     return call
 
 
-# What the service does not serve (CUDA shared memory, trace and log settings) answers UNIMPLEMENTED
+# What the service does not serve (CUDA shared memory, trace settings) answers UNIMPLEMENTED
 # itself: the generated base class's methods raise NotImplementedError, run on a thread, and are logged
 # with a traceback by grpc.
 for _name, _method in vars(pb_grpc.GRPCInferenceServiceServicer).items():

@@ -11,6 +11,7 @@ admin operations: see service.http.app.require_admin).
     GET  /v2/models/{m}[/versions/{v}]/config  Triton's model configuration (perf_analyzer reads it)
     GET  /v2/models[/{m}[/versions/{v}]]/stats Triton's statistics extension (service.core.statistics)
     POST /v2/repository/index, /v2/repository/models/{m}/load|unload
+    GET  /v2/logging, POST /v2/logging          Triton's log settings (the POST an admin call: service.core.logs)
     GET  /v2/systemsharedmemory[/region/{r}]/status, POST .../region/{r}/register, POST [.../region/{r}]/unregister
                                                Triton's system shared memory, where it is on (service.core.shm)
 """
@@ -26,6 +27,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.core.errors import ServiceError
+from service.core.keys import check_api_key
+from service.core.logs import log_settings
 from service.core.request import find_model
 from service.core.shm import Regions
 from service.http.schemas import protocol_errors
@@ -192,3 +195,28 @@ async def shm_register(request: Request, name: str) -> Response:
 async def shm_unregister(request: Request, name: str = "") -> Response:
     await asyncio.to_thread(_regions(request).unregister, name)
     return _json({})
+
+
+logging_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol: logging"])  # its own checks
+
+
+@logging_router.get("/logging", summary="Triton's log settings", responses=protocol_errors(401))
+async def get_logging(request: Request) -> Response:
+    keys = request.app.state.api_keys
+    if keys:
+        check_api_key(request.headers.get("authorization", "").encode("latin-1"), keys)
+    return _json(log_settings())
+
+
+@logging_router.post("/logging", summary="Change some of the log settings (an admin call, as model control)",
+                     responses=protocol_errors(400, 401, 404))
+async def post_logging(request: Request) -> Response:
+    dataplane = request.app.state.dataplane
+    dataplane.check_admin(request.headers.get("authorization", "").encode("latin-1"), "changing the log settings")
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"the log settings are not valid JSON: {e.msg}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the log settings must be a JSON object, e.g. {\"log_verbose_level\": 1}")
+    return _json(dataplane.update_log_settings(body))
