@@ -451,7 +451,10 @@ def check_in_a_process(settings: Settings, timings_folder: str) -> None:
     receive, send = context.Pipe(duplex=False)
     check = context.Process(target=_load, args=(settings, timings_folder, send), name="attend-check")
     try:
-        check.start()
+        # Held while it starts, then delivered here: SIGTERM midway through start() left it reading arguments half
+        # written (an EOFError traceback in the log, CI at 4c45674), with no pid to end it by. _load unblocks them.
+        with _signals_blocked(signal.SIGTERM, signal.SIGINT):
+            check.start()
         send.close()
         try:
             failure = receive.recv()
@@ -497,6 +500,7 @@ def exit_on_stop_signals() -> Iterator[None]:
 
 def _load(settings: Settings, timings_folder: str, send: Any) -> None:
     """Every model of the repository loaded, then let go: sends why not, or "" (check_in_a_process's process)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # blocked as it was spawned
     _stopped_with_the_supervisor()
     configure_logging(settings.log_level)
     try:
