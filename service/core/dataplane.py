@@ -57,12 +57,13 @@ from service.core.exchange import Exchange, serve
 from service.core.gpu import device_budget
 from service.core.keys import check_api_key
 from service.core.load import InFlight, Total
-from service.core.logs import apply_log_settings, changed_log_settings
+from service.core.logs import apply_log_settings, changed_log_settings, escape
 from service.core.memory import trim_memory
 from service.core.metrics import Metrics
 from service.core.request import Request, RequestLimits, find_model
 from service.core.runtime import CUDA, LoadedModel, Registry
 from service.core.shm import Regions, SharedMemoryOff
+from service.core.tracesettings import TraceSettings
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -163,6 +164,7 @@ class Dataplane:
         self.requests_in_progress: Sized = InFlight(self)
         self.transports: list[Transport] = []  # added by the entry point before open()
         self.tracing = False  # this core set tracing up (OTEL_*), and shuts it down at close()
+        self.trace_settings = TraceSettings(False)  # Triton's trace extension: which requests are traced
         self._server_hint: tuple[Sized, Sized] | None = None
         self._transport_hints: list[tuple[Sized, Sized]] = []
         self._decoder: ThreadPoolExecutor | None = None
@@ -180,6 +182,8 @@ class Dataplane:
         self.loop_thread = threading.get_ident()
         # OTEL_*: off unless they configure it (python -m service checked them before anything: TracingError).
         self.tracing = tracing.setup(self.metrics)
+        self.trace_settings = TraceSettings(self.tracing, self.timings_folder,
+                                            None if self.timings_folder is None else self.share)
         if self.registry is None:
             self.registry = await asyncio.to_thread(load_registry, settings, self.timings_folder)
         registry = self.registry
@@ -206,7 +210,7 @@ class Dataplane:
         self.control = ModelControl(registry, self.scheduler, settings.keep_versions, settings.grace_period_s,
                                     counted=self.metrics.model_loaded, **workers)
         await self.control.follow()  # a worker started in place of one that died: as the others
-        self.follow_log_settings()
+        self.follow_settings()
         if settings.poll_s:
             self.scheduler.spawn(self.control.poll(settings.poll_s))
         self.scheduler.spawn(_trim_memory_when_idle(self))
@@ -258,7 +262,7 @@ class Dataplane:
     def reload_changed(self, signalled: bool = True) -> None:
         """SIGHUP: load every model whose newest version in the repository is not the one served (and once
         the server handles SIGHUP, `signalled` false: for what changed while it started)."""
-        self.follow_log_settings()  # with workers, another's POST /v2/logging sent the SIGHUP
+        self.follow_settings()  # with workers, another's change of the log or trace settings sent the SIGHUP
         if self.ready:
             if signalled:
                 log.info("SIGHUP: loading the models whose newest version changed")
@@ -326,29 +330,47 @@ class Dataplane:
             check_api_key(authorization, self.api_keys)
 
     def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Triton's log settings changed (service.core.logs): here, and with workers in them all, through a file
-        they share and SIGHUP to the supervisor (each reads it: `follow_log_settings`)."""
+        """Triton's log settings changed (service.core.logs): here, and with workers in them all (`share`)."""
         settings = changed_log_settings(changes)
         # Before: where the new settings turn warnings off, the line is still there.
         log.warning("log settings changed: %s", ", ".join(f"{k}={v}" for k, v in sorted(changes.items())))
         apply_log_settings(settings)
         if self.timings_folder is not None:
-            file = Path(self.timings_folder) / "log.json"
-            with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False) as out:
-                json.dump(settings, out)
-            os.replace(out.name, file)
-            tell_supervisor(os.getppid())
+            self.share("log.json", settings)
         return settings
 
-    def follow_log_settings(self) -> None:
-        """With workers: the log settings another worker was given, if any."""
+    def update_trace_settings(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
+        """Triton's trace settings changed, the global ones or (`model`, served) a model's
+        (service.core.tracesettings): here, and with workers in them all."""
+        if model:
+            find_model(self.registry, model)
+        settings = self.trace_settings.update(model, changes)
+        log.warning("trace settings of %s changed: %s", escape(model) if model else "every model",
+                    ", ".join(f"{k}={escape(str(v))[:40]}" for k, v in sorted(changes.items())))
+        return settings
+
+    def share(self, name: str, settings: Any) -> None:
+        """With workers: `settings` in file `name` of the folder they share, and SIGHUP to the supervisor, which
+        passes it to each (they read it: `follow_settings`)."""
+        file = Path(self.timings_folder) / name
+        with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False) as out:
+            json.dump(settings, out)
+        os.replace(out.name, file)
+        tell_supervisor(os.getppid())
+
+    def follow_settings(self) -> None:
+        """With workers: the log and trace settings another worker was given, if any."""
         if self.timings_folder is None:
             return
-        try:
-            settings = json.loads((Path(self.timings_folder) / "log.json").read_bytes())
-        except FileNotFoundError:
-            return
-        apply_log_settings(settings)
+        shared = {}
+        for name in ("log.json", "trace.json"):
+            try:
+                shared[name] = json.loads((Path(self.timings_folder) / name).read_bytes())
+            except FileNotFoundError:
+                pass
+        if "log.json" in shared:
+            apply_log_settings(shared["log.json"])
+        self.trace_settings.follow(shared.get("trace.json"))
 
     def check_shared_memory(self, authorization: bytes | None) -> Regions:
         """System shared memory's register, status and unregister: on (ATTEND_SHARED_MEMORY), and an admin key

@@ -107,7 +107,7 @@ async def serve(core: Dataplane, x: Exchange) -> int:
     """The request's status once answered (0: the client went away, nothing was sent)."""
     start = time.perf_counter()
     token = request_id.set(x.rid)
-    trace = tracing.begin(x) if tracing.on else None
+    trace = tracing.begin(x, core.trace_settings) if tracing.on else None
     stamps = trace if trace is not None and trace.recording else None  # its stages kept (sampled)
     outcome = ["-", 500]  # the model's label and the status, for the access log line
     try:

@@ -130,7 +130,7 @@ class SDK:
         from opentelemetry.propagators.textmap import Getter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
         from opentelemetry.trace import Link, SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -153,6 +153,9 @@ class SDK:
             self.batch_provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("attend")
         self.batch_tracer = self.batch_provider.get_tracer("attend")
+        # What the trace settings leave out (service.core.tracesettings): ids for its log lines, no span.
+        self.skip_tracer = TracerProvider(resource=resource, sampler=ALWAYS_OFF, shutdown_on_exit=False
+                                          ).get_tracer("attend")
         self.propagator = TraceContextTextMapPropagator()
 
         class _Headers(Getter):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from service.core.jobs import Job
     from service.core.metrics import Metrics
     from service.core.runtime import LoadedModel
+    from service.core.tracesettings import TraceSettings
 
 log = logging.getLogger("service")
 
@@ -124,9 +125,10 @@ class RequestTrace:
         return timed
 
 
-def begin(x: Any) -> RequestTrace:
+def begin(x: Any, settings: TraceSettings) -> RequestTrace:
     """The request span of exchange `x`, child of the caller's traceparent where it sent one, and the
-    trace's ids where the caller reads them (`x.traced`) and in its log lines."""
+    trace's ids where the caller reads them (`x.traced`) and in its log lines. Sampled only where the trace
+    settings offer it to the sampler and the sampler takes it."""
     tracing = _tracing
     assert tracing is not None
     parent = tracing.propagator.extract(x.headers, getter=tracing.getter) if _TRACEPARENT in x.headers \
@@ -137,11 +139,15 @@ def begin(x: Any) -> RequestTrace:
     if arrived is not None:
         epoch, _, mono = _now_ns()
         start = epoch - int((mono - arrived) * 1e9)
-    span = tracing.tracer.start_span(name, context=parent, kind=tracing.SpanKind.SERVER, attributes=attributes,
-                                     start_time=start)
+    model = x.target[0]
+    offered = settings.take(model)
+    span = (tracing.tracer if offered else tracing.skip_tracer).start_span(
+        name, context=parent, kind=tracing.SpanKind.SERVER, attributes=attributes, start_time=start)
     sc = span.get_span_context()
     trace_id, span_id = f"{sc.trace_id:032x}", f"{sc.span_id:016x}"
     recording = span.is_recording()
+    if offered and not recording:
+        settings.give_back(model)  # its count is for traces kept
     trace = RequestTrace(span, tracing.in_context(span) if recording else None,
                          f"00-{trace_id}-{span_id}-{'01' if sc.trace_flags.sampled else '00'}",
                          f"trace_id={trace_id} span_id={span_id}", recording)

@@ -235,6 +235,28 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             setattr(response.settings[name], field, value)
         return response
 
+    # -------------------------------------------------------------------------------------- trace
+
+    @_rpc
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any  # noqa: N802
+                           ) -> pb.TraceSettingResponse:
+        """Triton's trace settings, global or a model's: none in the request reads them (the API key); some
+        change them (an admin call); a setting with no value is cleared."""
+        model = request.model_name or None
+        if request.settings:
+            self.dataplane.check_admin(_authorization(_metadata(context)), "changing the trace settings")
+            changes = {name: list(value.value) or None for name, value in request.settings.items()}
+            settings = self.dataplane.update_trace_settings(model, changes)
+        else:
+            self._key(context)
+            if model:
+                find_model(self.dataplane.registry, model)
+            settings = self.dataplane.trace_settings.get(model)
+        response = pb.TraceSettingResponse()
+        for name, value in settings.items():
+            response.settings[name].value.extend(value if isinstance(value, list) else [value])
+        return response
+
     # ----------------------------------------------------------------------- system shared memory
 
     def _regions(self, context: grpc.aio.ServicerContext) -> Regions:

@@ -148,6 +148,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.include_router(v2.repository_router, dependencies=[Depends(require_admin)])
     app.include_router(v2.shm_router)  # its own check (on, and the key): Dataplane.check_shared_memory
     app.include_router(v2.logging_router)  # its own checks: the API key to read, an admin's to change
+    app.include_router(v2.trace_router)  # the same checks as logging's
     if settings.cors_origin_list():
         # The preflight, and CORS headers on every other route (the inference endpoints add their own).
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin_list(), allow_methods=["GET", "POST"],

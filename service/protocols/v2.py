@@ -61,9 +61,9 @@ def error_json(error: ServiceError) -> bytes:
 
 def extensions(model_repository: bool, shared_memory: bool = False) -> list[str]:
     """The server metadata's `extensions` (every transport's: HTTP's GET /v2, gRPC's ServerMetadata):
-    binary tensors, Triton's statistics and logging, and the model repository and system shared memory where
-    they are on."""
-    return ["binary_tensor_data", "statistics", "logging", *(["model_repository"] if model_repository else []),
+    binary tensors, Triton's statistics, logging and trace settings, and the model repository and system shared
+    memory where they are on."""
+    return ["binary_tensor_data", "statistics", "logging", "trace", *(["model_repository"] if model_repository else []),
             *(["system_shared_memory"] if shared_memory else [])]
 
 

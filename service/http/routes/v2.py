@@ -213,10 +213,42 @@ async def get_logging(request: Request) -> Response:
 async def post_logging(request: Request) -> Response:
     dataplane = request.app.state.dataplane
     dataplane.check_admin(request.headers.get("authorization", "").encode("latin-1"), "changing the log settings")
+    return _json(dataplane.update_log_settings(await _settings(request, "log")))
+
+
+async def _settings(request: Request, kind: str) -> dict[str, Any]:
+    """The body of a POST of the log or trace settings: a JSON object."""
     try:
         body = orjson.loads(await request.body())
     except orjson.JSONDecodeError as e:
-        raise BadRequest(f"the log settings are not valid JSON: {e.msg}") from None
+        raise BadRequest(f"the {kind} settings are not valid JSON: {e.msg}") from None
     if not isinstance(body, dict):
-        raise BadRequest("the log settings must be a JSON object, e.g. {\"log_verbose_level\": 1}")
-    return _json(dataplane.update_log_settings(body))
+        example = '{"log_verbose_level": 1}' if kind == "log" else '{"trace_rate": "100"}'
+        raise BadRequest(f"the {kind} settings must be a JSON object, e.g. {example}")
+    return body
+
+
+trace_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol: trace"])  # its own checks, as logging's
+
+
+@trace_router.get("/trace/setting", summary="Triton's trace settings", responses=protocol_errors(401))
+@trace_router.get("/models/{name}/trace/setting", summary="A model's trace settings",
+                  responses=protocol_errors(401, 404))
+async def get_trace_setting(request: Request, name: str = "") -> Response:
+    dataplane = request.app.state.dataplane
+    keys = request.app.state.api_keys
+    if keys:
+        check_api_key(request.headers.get("authorization", "").encode("latin-1"), keys)
+    if name:
+        find_model(dataplane.registry, name)
+    return _json(dataplane.trace_settings.get(name or None))
+
+
+@trace_router.post("/trace/setting", summary="Change the trace settings (an admin call, as model control)",
+                   responses=protocol_errors(400, 401, 404))
+@trace_router.post("/models/{name}/trace/setting", summary="Change a model's trace settings (null: the global one)",
+                   responses=protocol_errors(400, 401, 404))
+async def post_trace_setting(request: Request, name: str = "") -> Response:
+    dataplane = request.app.state.dataplane
+    dataplane.check_admin(request.headers.get("authorization", "").encode("latin-1"), "changing the trace settings")
+    return _json(dataplane.update_trace_settings(name or None, await _settings(request, "trace")))
