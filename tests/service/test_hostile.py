@@ -3,12 +3,14 @@ keys, wrong content types. Each gets a 4xx in the one error body; the service st
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from service.http.app import create_app
 from service.http.schemas import toy_request
+from tests.server import running_service
 
 TOY = toy_request()
 
@@ -148,3 +150,24 @@ def test_still_ready_after_all_that(tight):
     assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
     answer = tight.post("/attend", json=TOY)
     assert answer.status_code == 200 and np.shape(answer.json()["outputs"]) == (2, 1, 4), answer.text
+
+
+CONTROL = ["/v2/trace/setting", "/v2/logging", "/v2/repository/index", "/v2/systemsharedmemory/region/r/register"]
+
+
+@pytest.mark.slow
+def test_a_control_calls_body_is_bounded_as_an_inference_body(repository):
+    """The settings, the index and a region's register read their bodies under ATTEND_MAX_BODY_BYTES, declared
+    or chunked (Starlette's request.body() reads any size), in a real process."""
+    limit = 1024 * 1024
+    with running_service(repository, ATTEND_MAX_BODY_BYTES=str(limit), ATTEND_MODEL_CONTROL="true",
+                         ATTEND_SHARED_MEMORY="true") as (url, _):
+        for path in CONTROL:
+            for content in (b" " * (limit + 1), iter([b" " * 65536] * 20)):  # declared, then chunked (1.25 MiB)
+                response = httpx.post(f"{url}{path}", content=content)
+                assert response.status_code == 413, (path, response.text)
+                said = "has 1048577 bytes; the limit is 1048576" if isinstance(content, bytes) else \
+                    "is over the limit of 1048576 bytes"
+                assert response.json() == {"error": f"the body {said} (ATTEND_MAX_BODY_BYTES)"}, path
+        assert httpx.post(f"{url}/v2/trace/setting", json={"trace_level": ["OFF"]}).json()["trace_level"] == ["OFF"]
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 200

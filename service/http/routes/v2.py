@@ -31,6 +31,7 @@ from service.core.keys import check_api_key
 from service.core.logs import log_settings
 from service.core.request import find_model
 from service.core.shm import Regions
+from service.http.extensions import read_body
 from service.http.schemas import protocol_errors
 from service.protocols.v2 import (
     BadRequest,
@@ -47,6 +48,12 @@ health_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])  # ope
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+async def _control_body(request: Request) -> bytes:
+    """A control call's body (the index, a region, the log or trace settings), refused with 413 past
+    ATTEND_MAX_BODY_BYTES as it comes, as an inference body: Starlette's `request.body()` reads any size."""
+    return await read_body(request.receive, dict(request.scope["headers"]), request.app.state.settings.max_body_bytes)
 
 
 @router.get("", summary="Server metadata", responses=protocol_errors(401))
@@ -121,7 +128,7 @@ repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Pro
              summary="Every model of the repository folder, each version with its state")
 async def index(request: Request) -> Response:
     rows = request.app.state.dataplane.registry.index()
-    raw = await request.body()
+    raw = await _control_body(request)
     if raw.strip():
         try:
             body = orjson.loads(raw)
@@ -180,7 +187,7 @@ async def shm_status(request: Request, name: str = "") -> Response:
 async def shm_register(request: Request, name: str) -> Response:
     # Read here, not as a FastAPI body: tritonclient sends it without a Content-Type.
     try:
-        body = RegisterRegion.model_validate_json(await request.body())
+        body = RegisterRegion.model_validate_json(await _control_body(request))
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
@@ -219,7 +226,7 @@ async def post_logging(request: Request) -> Response:
 async def _settings(request: Request, kind: str) -> dict[str, Any]:
     """The body of a POST of the log or trace settings: a JSON object."""
     try:
-        body = orjson.loads(await request.body())
+        body = orjson.loads(await _control_body(request))
     except orjson.JSONDecodeError as e:
         raise BadRequest(f"the {kind} settings are not valid JSON: {e.msg}") from None
     if not isinstance(body, dict):
