@@ -20,7 +20,7 @@ import gc
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,24 @@ def _check_name(name: str) -> None:
     """Names from URLs follow the exporter's rule (a model's folder name), before they are near a path."""
     if not valid_name(name):
         raise InvalidName(f"{excerpt(name)} is not a model's name: a name is {NAME_RULE}", field="name")
+
+
+class UnsupportedParameter(ServiceError):
+    """A load or unload parameter the service does not take (Triton's config override and model files)."""
+
+    status, code = 400, "unsupported_parameter"
+    advice = ("Load without parameters: a model loads as its folder in the repository has it (python -m export "
+              "writes it, config.json included). An unload takes unload_dependents only.")
+
+
+def check_parameters(names: Iterable[str], unload: bool = False) -> None:
+    """Refused rather than ignored: a client that sent a config or files would think them loaded. An unload's
+    unload_dependents is taken (no model depends on another)."""
+    for name in names:
+        if not (unload and name == "unload_dependents"):
+            what = "an unload takes only unload_dependents" if unload else \
+                "a load takes no config or files: the model loads as its folder in the repository has it"
+            raise UnsupportedParameter(f"parameter {excerpt(str(name))}: {what}", field="parameters")
 
 
 class InvalidName(ServiceError):

@@ -18,7 +18,7 @@ statistics, errors as status codes (service.grpc.status).
     RepositoryModelUnload                     model control (an admin key, as HTTP's /v2/repository)
     SystemSharedMemoryStatus, ...Register,
     ...Unregister                             where ATTEND_SHARED_MEMORY is on (an admin key where they are set)
-    LogSettings                               the API key to read them, an admin call to change them
+    LogSettings, TraceSetting                 the API key to read them, an admin call to change them
     grpc.health.v1.Health Check, List, Watch  open: SERVING while ready (gRPC's standard health checking)
     everything else                           UNIMPLEMENTED
 
@@ -43,6 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.config import Settings
+from service.core.control import check_parameters
 from service.core.cost import Cost
 from service.core.dataplane import Dataplane
 from service.core.errors import ClientGone, DeadlineExceeded, RouteNotFound, ServiceError, excerpt
@@ -206,6 +207,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context: Any  # noqa: N802
                                   ) -> pb.RepositoryModelLoadResponse:
         self._admin(context)
+        check_parameters(request.parameters)
         await self.dataplane.control.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
@@ -213,6 +215,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context: Any  # noqa: N802
                                     ) -> pb.RepositoryModelUnloadResponse:
         self._admin(context)
+        check_parameters(request.parameters, unload=True)
         await self.dataplane.control.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 

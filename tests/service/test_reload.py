@@ -15,10 +15,13 @@ import time
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from export.cli import main as export
 from export.repository import read_config
-from tests.server import running_service
+from tests.server import free_port, running_service
 from tests.service.test_observability import parse, value
 
 pytestmark = pytest.mark.slow
@@ -353,6 +356,37 @@ def test_model_control_is_an_admin_operation(repo):
     with running_service(repo, ATTEND_MODEL_CONTROL="true") as (url, _):
         assert httpx.post(f"{url}/v2/repository/index", json={"ready": True}).json() == [
             {"name": "multi_head", "version": "1", "state": "READY", "reason": ""}]
+        client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        client.unload_model("multi_head", unload_dependents=True)  # taken: no model depends on another
+        client.load_model("multi_head")
+        assert client.is_model_ready("multi_head")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_load_with_a_config_or_files_is_refused_not_ignored(repo, protocol):
+    port = free_port()
+    with running_service(repo, ATTEND_MODEL_CONTROL="true", ATTEND_GRPC_PORT=str(port)) as (url, _):
+        client = httpclient.InferenceServerClient(url.removeprefix("http://")) if protocol == "http" else \
+            grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        with pytest.raises(InferenceServerException) as raised:
+            client.load_model("multi_head", config='{"max_batch_size": 8}')
+        assert "parameter 'config': a load takes no config or files: the model loads as its folder in the " \
+            "repository has it" in raised.value.message()
+        if protocol == "grpc":
+            assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+            with pytest.raises(InferenceServerException) as raised:
+                client.load_model("multi_head", files={"file:1/model.onnx": b"\0"})
+            assert "parameter 'file:1/model.onnx'" in raised.value.message()
+        else:
+            for body, said in [({"parameters": {"file:1/model.onnx": "AA=="}}, "parameter 'file:1/model.onnx'"),
+                               ({"parameters": []}, "its parameters an object"), (b"{", "not valid JSON")]:
+                response = httpx.post(f"{url}/v2/repository/models/multi_head/load", **(
+                    {"content": body} if isinstance(body, bytes) else {"json": body}))
+                assert response.status_code == 400 and said in response.json()["error"], response.text
+            response = httpx.post(f"{url}/v2/repository/models/multi_head/unload", json={"parameters": {"x": 1}})
+            assert response.status_code == 400
+            assert response.json() == {"error": "parameter 'x': an unload takes only unload_dependents"}
+        assert client.is_model_ready("multi_head")  # nothing refused unloaded it
 
 
 def frozen(url: str) -> float:

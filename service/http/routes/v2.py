@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.core.control import check_parameters
 from service.core.errors import ServiceError
 from service.core.keys import check_api_key
 from service.core.logs import log_settings
@@ -142,6 +143,7 @@ async def index(request: Request) -> Response:
 @repository_router.post("/models/{name}/load", responses=protocol_errors(400, 401, 404, 422),
              summary="Load the model's newest version (checked and warmed up), then serve it")
 async def load(request: Request, name: str) -> Response:
+    check_parameters(await _parameters(request))
     await request.app.state.dataplane.control.load(name)
     return _json({})
 
@@ -149,8 +151,24 @@ async def load(request: Request, name: str) -> Response:
 @repository_router.post("/models/{name}/unload", responses=protocol_errors(400, 401, 404, 422),
              summary="Stop serving the model once what its queue holds has finished")
 async def unload(request: Request, name: str) -> Response:
+    check_parameters(await _parameters(request), unload=True)
     await request.app.state.dataplane.control.unload(name)
     return _json({})
+
+
+async def _parameters(request: Request) -> dict[str, Any]:
+    """A load's or unload's `parameters` (Triton's body: {"parameters": {...}}, or none)."""
+    raw = await _control_body(request)
+    if not raw.strip():
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"the request is not valid JSON: {e.msg}") from None
+    parameters = body.get("parameters") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or not isinstance(parameters, dict | None):
+        raise BadRequest("the request must be a JSON object, its parameters an object: {\"parameters\": {}}")
+    return parameters or {}
 
 
 class RegisterRegion(BaseModel):
