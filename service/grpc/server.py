@@ -559,6 +559,7 @@ class Health(health_pb2_grpc.HealthServicer):
         self._watchers += 1
         if self._ticker is None:
             self._ticker = asyncio.ensure_future(self._tick())
+        start, ended = time.perf_counter(), 0  # 0: the client ended it (499); 503: the stop did
         try:
             sent = None
             while True:
@@ -569,10 +570,12 @@ class Health(health_pb2_grpc.HealthServicer):
                     sent = status
                     yield health_pb2.HealthCheckResponse(status=status)
                 if self.calls.stopping:
+                    ended = 503  # the guard ends it UNAVAILABLE
                     return
                 await changed.wait()
         finally:
             self._watchers -= 1
+            log_access("GRPC", "Watch", ended, time.perf_counter() - start)  # its end, as a stream's line
 
     async def _tick(self) -> None:
         """While a Watch is open: the status every _WATCH_S, its streams woken where it changed."""

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -466,9 +467,10 @@ def test_grpc_health_watch_says_each_change_and_ends_at_sigterm(repository, tmp_
     model.write_bytes(b"broken")
     port = free_port()
     address = f"127.0.0.1:{port}"
+    log = tmp_path / "service.log"
     with running_service(repo, ATTEND_GRPC_PORT=str(port), ATTEND_SKIP_BROKEN_MODELS="true", ATTEND_ADMIN_KEYS=ADMIN,
-                         ATTEND_MAX_OPEN_CONNECTIONS="3", ATTEND_INTRA_OP_THREADS="1",
-                         ready_path="/health/live") as (url, proc):
+                         ATTEND_MAX_OPEN_CONNECTIONS="3", ATTEND_INTRA_OP_THREADS="1", ATTEND_LOG_LEVEL="info",
+                         log_path=log, ready_path="/health/live") as (url, proc):
         watched, _ = _watch(address)
         assert watched.get(timeout=10) == health_pb2.HealthCheckResponse.NOT_SERVING
         unknown, unknown_call = _watch(address, "nope")
@@ -499,6 +501,8 @@ def test_grpc_health_watch_says_each_change_and_ends_at_sigterm(repository, tmp_
         assert watched.get(timeout=10) == (grpc.StatusCode.UNAVAILABLE,
                                            "the service is stopping; watch another replica")
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    lines = log.read_text()
+    assert re.search(r"GRPC Watch 499 \d+\.\dms", lines) and re.search(r"GRPC Watch 503 \d+\.\dms", lines), lines
 
 
 def test_keys_and_model_control(repository):
