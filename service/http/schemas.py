@@ -94,6 +94,7 @@ class ProtocolError(BaseModel):
 def protocol_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` of the /v2 routes: the protocol's error body."""
     text = {400: "The model or version is not there (the ready route's 'false')", 401: _ERROR_TEXT[401],
-            404: "Unknown model, or a version that is not loaded", 422: "A path parameter is malformed",
+            404: "Unknown model, or a version that is not loaded", 413: "The body is over ATTEND_MAX_BODY_BYTES",
+            422: "A path parameter is malformed",
             503: "Not ready, or a model that could not be loaded"}
     return {status: {"model": ProtocolError, "description": text[status]} for status in statuses}

@@ -125,7 +125,7 @@ async def model_config(request: Request, name: str, version: str | None = None) 
 repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol: model repository"])
 
 
-@repository_router.post("/index", responses=protocol_errors(400, 401, 404, 422),
+@repository_router.post("/index", responses=protocol_errors(400, 401, 404, 413, 422),
              summary="Every model of the repository folder, each version with its state")
 async def index(request: Request) -> Response:
     rows = request.app.state.dataplane.registry.index()
@@ -140,7 +140,7 @@ async def index(request: Request) -> Response:
     return _json(rows)
 
 
-@repository_router.post("/models/{name}/load", responses=protocol_errors(400, 401, 404, 422),
+@repository_router.post("/models/{name}/load", responses=protocol_errors(400, 401, 404, 413, 422),
              summary="Load the model's newest version (checked and warmed up), then serve it")
 async def load(request: Request, name: str) -> Response:
     check_parameters(await _parameters(request))
@@ -148,7 +148,7 @@ async def load(request: Request, name: str) -> Response:
     return _json({})
 
 
-@repository_router.post("/models/{name}/unload", responses=protocol_errors(400, 401, 404, 422),
+@repository_router.post("/models/{name}/unload", responses=protocol_errors(400, 401, 404, 413, 422),
              summary="Stop serving the model once what its queue holds has finished")
 async def unload(request: Request, name: str) -> Response:
     check_parameters(await _parameters(request), unload=True)
@@ -201,7 +201,7 @@ async def shm_status(request: Request, name: str = "") -> Response:
 
 
 @shm_router.post("/region/{name}/register", summary="Register a region of an object in /dev/shm",
-                 responses=protocol_errors(400, 401, 404, 422))
+                 responses=protocol_errors(400, 401, 404, 413, 422))
 async def shm_register(request: Request, name: str) -> Response:
     # Read here, not as a FastAPI body: tritonclient sends it without a Content-Type.
     try:
@@ -234,7 +234,7 @@ async def get_logging(request: Request) -> Response:
 
 
 @logging_router.post("/logging", summary="Change some of the log settings (an admin call, as model control)",
-                     responses=protocol_errors(400, 401, 404))
+                     responses=protocol_errors(400, 401, 404, 413))
 async def post_logging(request: Request) -> Response:
     dataplane = request.app.state.dataplane
     dataplane.check_admin(request.headers.get("authorization", "").encode("latin-1"), "changing the log settings")
@@ -257,23 +257,39 @@ trace_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol: trace"]) 
 
 
 @trace_router.get("/trace/setting", summary="Triton's trace settings", responses=protocol_errors(401))
+async def get_trace_setting(request: Request) -> Response:
+    return _trace_settings(request, None)
+
+
 @trace_router.get("/models/{name}/trace/setting", summary="A model's trace settings",
                   responses=protocol_errors(401, 404))
-async def get_trace_setting(request: Request, name: str = "") -> Response:
+async def get_model_trace_setting(request: Request, name: str) -> Response:
+    return _trace_settings(request, name)
+
+
+def _trace_settings(request: Request, name: str | None) -> Response:
     dataplane = request.app.state.dataplane
     keys = request.app.state.api_keys
     if keys:
         check_api_key(request.headers.get("authorization", "").encode("latin-1"), keys)
-    if name:
+    if name is not None:
         find_model(dataplane.registry, name)
-    return _json(dataplane.trace_settings.get(name or None))
+    return _json(dataplane.trace_settings.get(name))
 
 
 @trace_router.post("/trace/setting", summary="Change the trace settings (an admin call, as model control)",
-                   responses=protocol_errors(400, 401, 404))
+                   responses=protocol_errors(400, 401, 404, 413))
+async def post_trace_setting(request: Request) -> Response:
+    return await _change_trace_settings(request, None)
+
+
 @trace_router.post("/models/{name}/trace/setting", summary="Change a model's trace settings (null: the global one)",
-                   responses=protocol_errors(400, 401, 404))
-async def post_trace_setting(request: Request, name: str = "") -> Response:
+                   responses=protocol_errors(400, 401, 404, 413))
+async def post_model_trace_setting(request: Request, name: str) -> Response:
+    return await _change_trace_settings(request, name)
+
+
+async def _change_trace_settings(request: Request, name: str | None) -> Response:
     dataplane = request.app.state.dataplane
     dataplane.check_admin(request.headers.get("authorization", "").encode("latin-1"), "changing the trace settings")
-    return _json(dataplane.update_trace_settings(name or None, await _settings(request, "trace")))
+    return _json(dataplane.update_trace_settings(name, await _settings(request, "trace")))
