@@ -17,12 +17,19 @@ requests at once (`max_ongoing_requests` a replica, `max_queued_requests` waitin
 of ATTEND_MAX_CONNECTIONS), and the stop (a stopping replica gets no new requests, those in flight get
 `graceful_shutdown_timeout_s`, ATTEND_GRACE_PERIOD_S's default, then the lifespan's shutdown runs).
 ATTEND_HOST, ATTEND_PORT and ATTEND_WORKERS do not apply: Serve's `http_options` and replicas do that.
+
+gRPC: Serve's gRPC proxy (`grpc_options` of the Serve config, `GRPC_SERVICER`) calls the deployment's method of
+each RPC's name with the request message; each runs the servicer of `python -m service`'s gRPC server
+(service.grpc.server.Servicer) over the replica's dataplane. ModelStreamInfer and grpc.health.v1 are not served
+here (the first answers UNIMPLEMENTED): Serve's proxy has its own health calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import ray
 from ray import serve
 from starlette.types import Message, Receive, Scope, Send
@@ -30,7 +37,17 @@ from starlette.types import Message, Receive, Scope, Send
 from service.asgi import without_shared_memory
 from service.config import Settings, get_settings
 from service.core.logs import configure_logging
+from service.grpc.proto import grpc_service_pb2 as pb
+from service.grpc.server import Servicer
 from service.http.app import AttendApp, create_app
+
+# For the Serve config's grpc_options.grpc_servicer_functions: the service's RPCs on Serve's gRPC proxy.
+GRPC_SERVICER = "service.grpc.proto.grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
+# The unary RPCs of the servicer, each a method of the deployment (Serve's proxy calls them by name).
+GRPC_CALLS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
+              "ModelStatistics", "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+              "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+              "LogSettings", "TraceSetting")
 
 # Sized for the batching: a replica merges only the requests Serve lets it hold at once (Serve's default
 # is 5), so it may hold a full batch of one-row requests (ATTEND_MAX_BATCH_ROWS' default). Fewer than
@@ -90,11 +107,64 @@ def build_app() -> _OneRequestId:
     return _OneRequestId(create_app(settings))
 
 
+class _Context:
+    """Serve's gRPC context (RayServegRPCContext) as the servicer reads grpc.aio's: the deadline is the proxy's
+    (its request_timeout_s, the client's own), so none here; code, details and trailing metadata go back."""
+
+    def __init__(self, context: Any):
+        self.context = context
+
+    def __getattr__(self, name: str) -> Any:  # invocation_metadata, peer, set_code, set_details, ...
+        return getattr(self.context, name)
+
+    def time_remaining(self) -> None:
+        return None
+
+    def set_trailing_metadata(self, metadata: Any) -> None:  # Serve's takes a list (and adds its request_id)
+        self.context.set_trailing_metadata(list(metadata))
+
+
+def _grpc_call(name: str) -> Any:
+    """The deployment's method for RPC `name`: the servicer's, with Serve's context; an empty answer where it
+    refused (the status is on the context)."""
+    empty = getattr(pb, f"{name}Response")
+
+    async def call(self: Any, request: Any, grpc_context: Any) -> Any:
+        answer = await getattr(self.servicer(), name)(request, _Context(grpc_context))
+        return answer if answer is not None else empty()
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+# A method of each RPC's name, for Serve's gRPC proxy (`servicer()` is the deployment's).
+_GrpcCalls = type("_GrpcCalls", (), {name: _grpc_call(name) for name in GRPC_CALLS})
+
+
 @serve.deployment(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED,
                   graceful_shutdown_timeout_s=GRACE_S, ray_actor_options={"num_cpus": 1})
 @serve.ingress(build_app)
-class Attend:
-    """One replica of the service: `build_app`'s app; Serve calls it with each HTTP request."""
+class Attend(_GrpcCalls):
+    """One replica of the service: `build_app`'s app; Serve calls it with each HTTP request, and its method
+    of each RPC's name with each gRPC call (GRPC_CALLS)."""
+
+    _servicer: Servicer | None = None
+
+    def servicer(self) -> Servicer:
+        """The gRPC servicer over the replica's dataplane (made at the first call: the app has started)."""
+        if self._servicer is None:
+            app = self.app.app  # _OneRequestId's AttendApp
+            self._servicer = Servicer(app.state.dataplane, app.state.settings, app.version)
+        return self._servicer
+
+    async def ModelStreamInfer(self, requests: Any, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        """Not served here (its answers in the order they finish need the servicer's own stream): UNIMPLEMENTED,
+        saying what to use, rather than Serve's error for a method the deployment lacks."""
+        details = "ModelStreamInfer is not served through Ray Serve: send each request as a ModelInfer call"
+        grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        grpc_context.set_details(details)
+        raise NotImplementedError(details)  # a stream's status goes out only so (Serve's gRPCStatusError)
+        yield
 
 
 # `serve run service.serve:app`, or the import_path of deploy/ray/serve.yaml.

@@ -285,6 +285,8 @@ def check_rayservice(service: dict, cluster: dict, fields: set[str]) -> list[str
     (expected,) = cluster["applications"]
     if app["deployments"] != expected["deployments"] or app["import_path"] != expected["import_path"]:
         problems.append("rayservice.yaml: serveConfigV2's deployment differs from deploy/ray/cluster.yaml's")
+    if config.get("grpc_options") != cluster.get("grpc_options"):
+        problems.append("rayservice.yaml: serveConfigV2's grpc_options differ from deploy/ray/cluster.yaml's")
     for env, where in ((app, "rayservice.yaml serveConfigV2"), (expected, "deploy/ray/cluster.yaml")):
         problems += unknown_settings(env.get("runtime_env", {}).get("env_vars", {}), where, fields)
     cluster_config = spec["rayClusterConfig"]
@@ -407,6 +409,8 @@ def self_test() -> int:
         # RayService
         (lambda m: m["rayservice.yaml"][0]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
             "containers"][0].update(imagePullPolice="Always"), "imagePullPolice"),
+        (lambda m: m["rayservice.yaml"][0]["spec"].update(serveConfigV2=m["rayservice.yaml"][0]["spec"][
+            "serveConfigV2"].replace("port: 8001", "port: 9000")), "grpc_options differ"),
     ]
     failures = [f for f in (broken(change, expect) for change, expect in cases) if f]
     clean = check(manifests)

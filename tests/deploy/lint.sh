@@ -4,7 +4,7 @@
 #     resource against Kubernetes' own schemas, strictly (an unknown or misspelt field fails), with
 #     kubernetes-validate from PyPI (offline: the schemas ship in the package); KServe's predictor and the
 #     RayService's pod templates the same way (their CRD schemas are not shipped); then what the schemas
-#     cannot see (tests/deploy/check_manifests.py, which first proves it catches 28 breakages)
+#     cannot see (tests/deploy/check_manifests.py, which first proves it catches 29 breakages)
 #   - hadolint on deploy/ray/Dockerfile and shellcheck on this script, failing at error level
 # The tools (~110 MB of schemas) go to a venv of their own ($ATTEND_DEPLOY_TOOLS, default
 # /var/tmp/attend-deploy-tools), made once.

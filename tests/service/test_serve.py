@@ -1,6 +1,7 @@
-"""The service on Ray Serve (service/serve.py): a real local Ray, a real Serve proxy on a free port, two
-replicas. The same numbers, errors and routes as the app in-process; a replica killed under load is
-replaced and every request is answered. `make test-ray` (the ray extra); `make test` leaves these out."""
+"""The service on Ray Serve (service/serve.py): a real local Ray, a real Serve proxy on a free port (and its
+gRPC proxy on another), two replicas. The same numbers, errors and routes as the app in-process, over HTTP and
+gRPC (tritonclient); a replica killed under load is replaced and every request is answered. `make test-ray`
+(the ray extra); `make test` leaves these out."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 from fastapi.testclient import TestClient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+from tritonclient.utils import InferenceServerException
 
 from service.config import Settings
 from service.core.runtime import Registry
@@ -37,13 +43,14 @@ CONFIGS = [ROOT / "deploy" / "ray" / "serve.yaml", ROOT / "deploy" / "ray" / "cl
 
 
 @contextlib.contextmanager
-def on_serve(env: dict[str, str], replicas: int, **options: Any) -> Iterator[str]:
+def on_serve(env: dict[str, str], replicas: int, grpc_port: int | None = None, **options: Any) -> Iterator[str]:
     """The app on a local Ray Serve: `replicas` replicas of one CPU with the ATTEND_*/OTEL_* `env`, `options`
-    of the deployment; its proxy's URL. Ray and Serve are shut down afterwards (nothing left running)."""
+    of the deployment, Serve's gRPC proxy on `grpc_port` where given; its HTTP proxy's URL. Ray and Serve are
+    shut down afterwards (nothing left running)."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from service.serve import Attend
+    from service.serve import GRPC_SERVICER, Attend
 
     port = free_port()
     # Ray puts the driver's working directory on its workers' sys.path: the replicas import `service` from here.
@@ -61,7 +68,9 @@ def on_serve(env: dict[str, str], replicas: int, **options: Any) -> Iterator[str
             ray.shutdown()
     try:
         # Before serve.run: a later serve.start's options are ignored.
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        grpc = {} if grpc_port is None else {"grpc_options": {"port": grpc_port,
+                                                              "grpc_servicer_functions": [GRPC_SERVICER]}}
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc)
         serve.run(Attend.options(num_replicas=replicas, ray_actor_options={"num_cpus": 1, "runtime_env": {
             "env_vars": env}}, **options).bind(), name="attend", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -73,17 +82,20 @@ def on_serve(env: dict[str, str], replicas: int, **options: Any) -> Iterator[str
             os.chdir(cwd)
 
 
+GRPC_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def serve_url(repository):
     """Serve with two replicas of the deployment of deploy/ray/serve.yaml, its ATTEND_* settings pointing
-    at the test repository."""
+    at the test repository; its gRPC proxy on GRPC_PORT."""
     deployment = yaml.safe_load(CONFIGS[0].read_text())["applications"][0]["deployments"][0]
     # The fixed choice of graphs: with the warm-up's timing each process would choose on its own times, and
     # GET /models would differ from the app's in this process.
     env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", "ATTEND_LOG_LEVEL": "warning",
            "ATTEND_GRAPH_TIMING_S": "0"}
     options = {k: deployment[k] for k in ("max_ongoing_requests", "max_queued_requests", "graceful_shutdown_timeout_s")}
-    with on_serve(env, 2, **options) as url:
+    with on_serve(env, 2, GRPC_PORT, **options) as url:
         yield url
 
 
@@ -149,6 +161,11 @@ def test_the_config_files_are_valid_serve_configs():
         assert deployment.ray_actor_options.num_cpus == 1
         assert set(app.runtime_env["env_vars"]) >= {"ATTEND_MODEL_REPOSITORY", "ATTEND_DEVICE"}
         assert app.runtime_env["env_vars"]["ATTEND_POLL_S"] == "10"  # every replica follows the repository
+    # gRPC where the proxies listen on every interface (cluster.yaml, the RayService); not on this machine only.
+    assert [c.get("grpc_options") for c in configs] == [None] + [{
+        "port": 8001, "grpc_servicer_functions": [module.GRPC_SERVICER]}] * 2
+    servicer = pb_grpc.GRPCInferenceServiceServicer
+    assert all(callable(getattr(servicer, name)) for name in module.GRPC_CALLS)
 
 
 def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repository):
@@ -167,6 +184,50 @@ def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repositor
         assert_same(response.content, attend(body, registry))
     toy = json.loads(responses[0].content)
     np.testing.assert_allclose(toy["outputs"], [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], rtol=1e-6)
+
+
+def test_grpc_through_serves_proxy_gives_the_apps_numbers_and_errors(serve_url, repository):
+    """tritonclient against Serve's gRPC proxy (no application metadata: the one app): health, metadata, the
+    config perf_analyzer reads, every kind's answers as the app's in-process, errors as status codes with the
+    app's details, the request ID back as trailing metadata."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("additive")
+    assert "statistics" in client.get_server_metadata().extensions
+    assert [i.name for i in client.get_model_metadata("dot_product").inputs] == ["queries", "keys", "values",
+                                                                                  "valid_lens"]
+    assert client.get_model_config("additive").config.max_batch_size > 0
+    registry = Registry.load(repository, "cpu", 1)
+    for body in book_examples() + [b for kind in KINDS for b in mixed_bodies(kind, 2, seed=5)]:
+        request = json.loads(body)
+        tensors = {k: np.asarray(request[k], dtype=np.float32) for k in ("queries", "keys", "values") if k in request}
+        if request.get("valid_lens") is not None:
+            tensors["valid_lens"] = np.asarray(request["valid_lens"], dtype=np.int64)
+        inputs = []
+        for name, array in tensors.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), "FP32" if array.dtype == np.float32 else "INT64")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        got = client.infer(request.get("model", "dot_product"), inputs)
+        want = json.loads(attend(body, registry))
+        np.testing.assert_allclose(got.as_numpy("outputs"), want["outputs"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("nope", inputs)
+    assert raised.value.status() == "StatusCode.NOT_FOUND" and "unknown model 'nope'" in raised.value.message()
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        bad = pb.ModelInferRequest(model_name="additive", inputs=[pb.ModelInferRequest.InferInputTensor(
+            name="queries", datatype="FP32", shape=[1, 1, 20])])
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ModelInfer(bad, metadata=(("x-request-id", "ray-grpc-1"),))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ("x-request-id", "ray-grpc-1") in error.value.trailing_metadata()
+        live = stub.ServerLive.with_call(pb.ServerLiveRequest())[0]
+        assert live.live
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.ModelStreamInfer(iter([bad]), timeout=30))
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert error.value.details() == "ModelStreamInfer is not served through Ray Serve: send each request as a " \
+            "ModelInfer call"
 
 
 def _steady(answer):
