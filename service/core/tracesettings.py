@@ -14,6 +14,7 @@ shared folder (Dataplane.share) and each count a file of its own, taken under a 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import struct
 import tempfile
@@ -23,6 +24,8 @@ from typing import Any
 
 from service.core.errors import ServiceError
 from service.core.logs import escape
+
+log = logging.getLogger("service")
 
 NAMES = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
 _FIXED = {"trace_file": "", "log_frequency": "0", "trace_mode": "opentelemetry"}
@@ -223,12 +226,18 @@ class TraceSettings:
             return counts[key][1]
 
         merged = {**self.start, **state["global"]}
-        glob = Scope(merged["trace_level"], merged["trace_rate"], count("", merged))
-        scopes = {}
-        for model, own in state["models"].items():
-            mine = {**merged, **own}
-            scopes[model] = Scope(mine["trace_level"], mine["trace_rate"],
-                                  count(model, mine) if "trace_count" in own else glob.count)
+        try:
+            glob = Scope(merged["trace_level"], merged["trace_rate"], count("", merged))
+            scopes = {}
+            for model, own in state["models"].items():
+                mine = {**merged, **own}
+                scopes[model] = Scope(mine["trace_level"], mine["trace_rate"],
+                                      count(model, mine) if "trace_count" in own else glob.count)
+        except OSError:  # a count file gone: what this opened is closed, the settings stay as they were
+            for key, (_, c) in counts.items():
+                if old.get(key, (None, None))[1] is not c:
+                    c.close()
+            raise
         self.state, self.glob, self.scopes, self._counts = state, glob, scopes, counts
         kept = {id(c) for _, c in counts.values()}
         for _, c in old.values():
@@ -241,4 +250,4 @@ class TraceSettings:
             try:
                 self.apply(state)
             except FileNotFoundError:  # a count file replaced meanwhile: the newer settings follow (SIGHUP)
-                pass
+                log.warning("trace settings: a count file was replaced while read; the next change follows")
