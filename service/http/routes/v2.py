@@ -194,9 +194,14 @@ shm_router = APIRouter(prefix="/v2/systemsharedmemory", tags=["Open Inference Pr
                        dependencies=[Depends(require_shared_memory)])
 
 
+# One function a route: a path parameter shared with a route that has none is a query parameter there.
 @shm_router.get("/status", summary="Every registered region", responses=protocol_errors(401, 404))
+async def shm_status_all(request: Request) -> Response:
+    return _json(await asyncio.to_thread(_regions(request).status, ""))
+
+
 @shm_router.get("/region/{name}/status", summary="One registered region", responses=protocol_errors(401, 404))
-async def shm_status(request: Request, name: str = "") -> Response:
+async def shm_status(request: Request, name: str) -> Response:
     return _json(await asyncio.to_thread(_regions(request).status, name))
 
 
@@ -216,8 +221,13 @@ async def shm_register(request: Request, name: str) -> Response:
 
 
 @shm_router.post("/unregister", summary="Unregister every region", responses=protocol_errors(401, 404))
+async def shm_unregister_all(request: Request) -> Response:
+    await asyncio.to_thread(_regions(request).unregister, "")
+    return _json({})
+
+
 @shm_router.post("/region/{name}/unregister", summary="Unregister one region", responses=protocol_errors(401, 404))
-async def shm_unregister(request: Request, name: str = "") -> Response:
+async def shm_unregister(request: Request, name: str) -> Response:
     await asyncio.to_thread(_regions(request).unregister, name)
     return _json({})
 
