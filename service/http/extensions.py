@@ -58,18 +58,19 @@ def _nothing(headers: dict[bytes, bytes], length: int) -> int:
 
 
 async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, claim: Any = None,
-                    aligned_at: int = 0, cost: Cost | None = None, expected: Any = None) -> Any:
+                    aligned_at: int = 0, cost: Cost | None = None, expected: Any = None,
+                    named: str = "ATTEND_MAX_BODY_BYTES") -> Any:
     """The body, refused with 413 as soon as it is known to be larger than `limit`, its bytes held in
     `cost` before they are read (503 + Retry-After where the in-flight budget has no room for them; a
     body of unknown length as it comes), with what its decode will hold at least (`expected(headers,
     length)`, the codec's).
     `claim`: the server's way to have it written into one buffer as it comes ("attend.body", where it
     offers that: service.http.transport.BodySink), the byte at `aligned_at` 64-byte aligned; the body is
-    then a memoryview, not bytes."""
+    then a memoryview, not bytes. `named`: the limit, as the refusal names it."""
     length = headers.get(b"content-length")
     size = int(length) if length is not None and length.isdigit() else None
     if size is not None and size > limit:
-        raise PayloadTooLarge(f"the body has {size} bytes; the limit is {limit} (ATTEND_MAX_BODY_BYTES)",
+        raise PayloadTooLarge(f"the body has {size} bytes; the limit is {limit} ({named})",
                               expected=limit, received=size)
     expect = expected or _nothing
     if claim is not None:
@@ -87,7 +88,7 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
     body = message.get("body", b"")
     if not message.get("more_body"):
         if len(body) > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (ATTEND_MAX_BODY_BYTES)",
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes ({named})",
                                   expected=limit)
         return body
     chunks, received = [body], len(body)
@@ -98,7 +99,7 @@ async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, c
         chunk = message.get("body", b"")
         received += len(chunk)
         if received > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (ATTEND_MAX_BODY_BYTES)",
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes ({named})",
                                   expected=limit)
         if cost is not None and size is None:
             cost.hold(2 * received + expect(headers, received), "this body")
