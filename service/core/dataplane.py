@@ -339,6 +339,12 @@ class Dataplane:
             self.share("log.json", settings)
         return settings
 
+    def get_trace_settings(self, model: str | None) -> dict[str, Any]:
+        """Triton's trace settings, the global ones or (`model`, served) a model's."""
+        if model:
+            find_model(self.registry, model)
+        return self.trace_settings.get(model)
+
     def update_trace_settings(self, model: str | None, changes: dict[str, Any]) -> dict[str, Any]:
         """Triton's trace settings changed, the global ones or (`model`, served) a model's
         (service.core.tracesettings): here, and with workers in them all."""

@@ -150,9 +150,12 @@ class TraceSettings:
         self._counts: dict[str, tuple[Any, Count]] = {}  # a scope's ("": the global one) token and count
         self._made = 0
 
+    def _scope(self, model: str | None) -> Scope:
+        return self.scopes.get(model, self.glob) if self.scopes and model else self.glob
+
     def take(self, model: str | None) -> bool:
         """Whether this request is offered to the sampler; then `give_back` where the sampler dropped it."""
-        scope = self.scopes.get(model, self.glob) if self.scopes and model is not None else self.glob
+        scope = self._scope(model)
         if not scope.on:
             return False
         if scope.rate > 1:
@@ -162,14 +165,14 @@ class TraceSettings:
         return scope.count is None or scope.count.add(-1)
 
     def give_back(self, model: str | None) -> None:
-        scope = self.scopes.get(model, self.glob) if self.scopes and model is not None else self.glob
+        scope = self._scope(model)
         if scope.count is not None:
             scope.count.add(1)
 
     def get(self, model: str | None = None) -> dict[str, Any]:
         """Triton's settings as its HTTP answer has them (trace_level a list, the others strings)."""
         merged = {**self.start, **self.state["global"], **(self.state["models"].get(model, {}) if model else {})}
-        scope = self.scopes.get(model, self.glob) if model else self.glob
+        scope = self._scope(model)
         count = merged["trace_count"] if scope.count is None else scope.count.value()
         return {"trace_file": "", "trace_level": ["TIMESTAMPS" if merged["trace_level"] else "OFF"],
                 "trace_rate": str(merged["trace_rate"]), "trace_count": str(count), "log_frequency": "0",

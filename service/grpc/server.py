@@ -252,9 +252,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             settings = self.dataplane.update_trace_settings(model, changes)
         else:
             self._key(context)
-            if model:
-                find_model(self.dataplane.registry, model)
-            settings = self.dataplane.trace_settings.get(model)
+            settings = self.dataplane.get_trace_settings(model)
         response = pb.TraceSettingResponse()
         for name, value in settings.items():
             response.settings[name].value.extend(value if isinstance(value, list) else [value])

@@ -284,13 +284,10 @@ async def get_model_trace_setting(request: Request, name: str) -> Response:
 
 
 def _trace_settings(request: Request, name: str | None) -> Response:
-    dataplane = request.app.state.dataplane
     keys = request.app.state.api_keys
     if keys:
         check_api_key(request.headers.get("authorization", "").encode("latin-1"), keys)
-    if name is not None:
-        find_model(dataplane.registry, name)
-    return _json(dataplane.trace_settings.get(name))
+    return _json(request.app.state.dataplane.get_trace_settings(name))
 
 
 @trace_router.post("/trace/setting", summary="Change the trace settings (an admin call, as model control)",
