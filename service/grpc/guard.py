@@ -15,7 +15,10 @@ does: the whole message must be in by then.
                           attend_refused{reason="connections"}
     a message not in      within ATTEND_BODY_TIMEOUT_S: DEADLINE_EXCEEDED (HTTP's 408),
                           attend_refused{reason="body_timeout"}
-    a message too large   over ATTEND_MAX_BODY_BYTES: RESOURCE_EXHAUSTED (grpc's own check, as it arrives)
+    a message too large   over ATTEND_MAX_BODY_BYTES: RESOURCE_EXHAUSTED (grpc's own check, as it arrives);
+                          a control call's (every method but ModelInfer and ModelStreamInfer) over 64 KiB
+    a costly parse        over MAX_FIELDS fields, or packed integers over ATTEND_MAX_BODY_BYTES parsed:
+                          refused before protobuf parses it (service.grpc.wire)
     connections           ATTEND_MAX_OPEN_CONNECTIONS (grpc.max_allowed_incoming_connections: closed at accept)
     calls not yet taken   ATTEND_MAX_OPEN_CONNECTIONS, then grpc drops calls at random until twice that
                           (CANCELLED, grpc's own early drop): a flood past what the event loop takes
@@ -46,13 +49,16 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.core.errors import InvalidRequest, NotReady, Overloaded, RequestTimeout, ServiceError
+from service.core.control import CONTROL_BODY_BYTES
+from service.core.errors import InvalidRequest, NotReady, Overloaded, PayloadTooLarge, RequestTimeout, ServiceError
 from service.core.logs import log_access
+from service.grpc import wire
 from service.grpc.status import end_call
 
 HEALTH = frozenset({"ServerLive", "ServerReady", "Check", "List"})  # Triton's probes, and grpc.health.v1's
-# The size of the call's message as it came (the handler's task's): what ModelInfer holds against the
-# in-flight budget. Kept, because protobuf's ByteSize() would walk a message of tensors again to find it.
+INFERENCE = frozenset({"ModelInfer", "ModelStreamInfer"})  # the methods whose messages hold tensors
+# The bytes of the call's message parsed (the handler's task's; service.grpc.wire): what ModelInfer holds
+# against the in-flight budget. Kept, because protobuf's ByteSize() would walk a message of tensors again.
 message_size: contextvars.ContextVar[int] = contextvars.ContextVar("message_size", default=0)
 
 
@@ -92,8 +98,11 @@ class CallGuard:
     """Counts the calls under way and reads each one's message within the time allowed."""
 
     def __init__(self, max_calls: int, message_timeout_s: float, refusals: Mapping[str, Any],
-                 gone: Callable[[str, float], None] = lambda name, seconds: None, max_streams: int = 4096):
+                 gone: Callable[[str, float], None] = lambda name, seconds: None, max_streams: int = 4096,
+                 max_message_bytes: int = 1 << 62):
         self.max_calls = max_calls
+        self.max_message_bytes = max_message_bytes  # ATTEND_MAX_BODY_BYTES, which grpc checks too
+        self.schemas: dict[str, dict[int, Any]] = {}  # each method's request message, for service.grpc.wire
         self.message_timeout_s = message_timeout_s
         self.refusals = refusals
         self.gone = gone  # a call whose client went away while its message came: (method, seconds)
@@ -130,6 +139,8 @@ class CallGuard:
     def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
         taken = Handlers()
         add_servicer(servicer, taken)
+        for name, handler in taken.handlers.items():
+            self.schemas[name] = wire.schema(handler.request_deserializer.__self__.DESCRIPTOR)
         guarded = {name: self.guarded(name, handler) for name, handler in taken.handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, guarded),))
         server.add_registered_method_handlers(taken.service, guarded)
@@ -177,12 +188,25 @@ class CallGuard:
         if message is grpc.aio.EOF:
             return _end(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
         try:
+            size = self.parsed_bytes(name, message)
             request = deserialize(message)
         except DecodeError:
             return _end(context, name, InvalidRequest(
                 f"{name}: the request message is not an inference.{name}Request"))
-        message_size.set(len(message))
+        except ServiceError as e:
+            return _end(context, name, e)
+        message_size.set(size)
         return request
+
+    def parsed_bytes(self, name: str, message: bytes) -> int:
+        """The bytes `message` takes parsed; raises ServiceError where it may not be parsed (over its
+        method's limit, or too costly a parse: service.grpc.wire), DecodeError where it is not a message."""
+        if name not in INFERENCE and len(message) > CONTROL_BODY_BYTES:
+            raise PayloadTooLarge(f"{name}'s message has {len(message)} bytes; the limit is {CONTROL_BODY_BYTES} "
+                                  "(a control call's limit)", expected=CONTROL_BODY_BYTES, received=len(message))
+        if len(message) <= wire.SCAN_BYTES:
+            return len(message)
+        return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes)
 
     def _open_stream(self, name: str, context: grpc.aio.ServicerContext) -> bool:
         """A stream opens: counted against ATTEND_MAX_OPEN_CONNECTIONS (`streams`, given back by the caller),
@@ -263,12 +287,17 @@ class CallGuard:
                 if refusal is not None:
                     yield refusal, len(message)
                     continue
+                size = len(message)
                 try:
+                    size = self.parsed_bytes(name, message)
                     request = deserialize(message)
                 except DecodeError:
                     self.give()
                     request = InvalidRequest(f"{name}: a message is not an inference.ModelInferRequest")
-                yield request, len(message)
+                except ServiceError as e:
+                    self.give()
+                    request = e
+                yield request, size
         finally:  # the service stops, or the call was cancelled: the read ends with it
             stopped.cancel()
             if read is not None:

@@ -658,7 +658,7 @@ class GRPCServer:
         servicer = Servicer(dataplane, settings, self.version)
         self.calls = servicer.calls = calls = guard.CallGuard(
             settings.max_connections, settings.body_timeout_s, dataplane.metrics.refusals,
-            functools.partial(_gone_early, dataplane), settings.max_open_connections)
+            functools.partial(_gone_early, dataplane), settings.max_open_connections, settings.max_body_bytes)
         calls.register(server, pb_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
         calls.register(server, health_pb2_grpc.add_HealthServicer_to_server, Health(dataplane, calls))
         try:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -25,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.server import free_port, running_service
-from tests.service.test_overload import rss_mb
+from tests.service.test_overload import rss_mb, sampling_rss
 
 pytestmark = pytest.mark.slow
 
@@ -174,6 +175,88 @@ def test_a_compressed_message_is_bounded_by_what_it_inflates_to(server):
         assert answer.model_name == "dot_product" and list(answer.outputs[0].shape) == [4, 64, 64]
     assert httpx.get(f"{url}/health/live", timeout=5).status_code == 200
     assert settled(url)["inflight_bytes"] == 0
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (tag, length, payload)."""
+    length, n = bytearray(), len(payload)
+    while True:
+        length.append(n & 0x7F | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes([number << 3 | 2]) + bytes(length) + payload
+
+
+def costly_messages(size: int) -> dict[str, bytes]:
+    """ModelInferRequests of about `size` bytes whose parse builds most (service.grpc.wire): an object a
+    field, or packed integers of one byte each that take eight parsed."""
+    def fill(unit: bytes) -> bytes:
+        return unit * (size // len(unit))
+
+    model = _field(1, b"dot_product")
+    entry = _field(1, b"k") + _field(2, _field(3, b"x"))  # a parameters entry: "k" -> string_param "x"
+    return {"inputs": model + fill(_field(5, b"")),
+            "raw_input_contents": model + fill(_field(7, b"")),
+            "parameters": model + fill(_field(4, entry)),
+            "inputs.shape": model + _field(5, fill(bytes([3 << 3, 1]))),  # shape's values one field each
+            "inputs.contents.bytes_contents": model + _field(5, _field(5, fill(_field(8, b"")))),
+            "inputs.shape packed": model + _field(5, _field(3, bytes([1]) * size))}
+
+
+def test_messages_that_cost_more_parsed_are_refused_unparsed(repository):
+    """Each costly form at the default limit (32 MiB), two at a time: refused by its field before protobuf
+    parses it. Parsed, the empty `inputs` alone took 2.1 s of the event loop and 1.3 GiB (service.grpc.wire);
+    here /health/live answers within 0.5 s throughout and the process grows by less than the messages
+    grpc holds."""
+    size = 32 << 20
+    port = free_port()
+    with running_service(repository, ATTEND_GRPC_PORT=str(port), ATTEND_INTRA_OP_THREADS="1") as (url, proc):
+        messages = costly_messages(size - 64)
+        before = rss_mb(proc.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
+            call = channel.unary_unary(METHOD)
+
+            def send(message: bytes) -> grpc.RpcError:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(message, timeout=60)
+                return refused.value
+
+            with LiveProbe(url) as probe, sampling_rss(proc.pid) as peak, ThreadPoolExecutor(2) as pool:
+                refusals = dict(zip(messages, pool.map(send, messages.values()), strict=True))
+            assert probe.count > 0 and not probe.failures and probe.slowest < 0.5, (probe.slowest, probe.failures)
+            assert max(peak) - before < 8 * size / 2**20, (before, max(peak))
+            for form, refused in refusals.items():
+                if form.endswith("packed"):
+                    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (form, refused)
+                    assert "bytes parsed" in refused.details() and "ATTEND_MAX_BODY_BYTES" in refused.details()
+                else:
+                    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, (form, refused)
+                    assert refused.details().startswith(f"the message has over 4096 fields (at {form}"), (
+                        form, refused.details())
+            answer = pb.ModelInferResponse.FromString(call(infer_request(batch=64, n=64, d=64), timeout=30))
+            assert list(answer.outputs[0].shape) == [64, 64, 64]
+        assert settled(url)["inflight_bytes"] == 0
+
+
+def test_a_control_calls_message_is_refused_past_64_kib(server):
+    """Every method but ModelInfer and ModelStreamInfer takes a message of a few hundred bytes: past 64 KiB
+    it is refused RESOURCE_EXHAUSTED, unparsed (as TraceSettingRequest, 32 MiB of settings took 5.6 s of the
+    event loop)."""
+    url, address, _ = server
+    settings = pb.TraceSettingRequest()
+    for k in range(8000):
+        settings.settings[f"k{k}"].value.append("x")
+    big = settings.SerializeToString()
+    assert 64 << 10 < len(big) < MAX_BODY
+    with grpc.insecure_channel(address) as channel:
+        for method in ("TraceSetting", "LogSettings", "RepositoryIndex", "ServerMetadata"):
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary(f"/inference.GRPCInferenceService/{method}")(big, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (method, refused.value)
+            assert refused.value.details().startswith(f"{method}'s message has {len(big)} bytes; the limit is "
+                                                      "65536 (a control call's limit)"), refused.value.details()
+        live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
+        assert pb.ServerLiveResponse.FromString(live(pb.ServerLiveRequest().SerializeToString(), timeout=30)).live
 
 
 def test_thousands_of_calls_at_once_are_bounded(server):

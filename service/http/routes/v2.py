@@ -26,7 +26,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.core.control import check_parameters
+from service.core.control import CONTROL_BODY_BYTES, check_parameters
 from service.core.errors import ServiceError
 from service.core.keys import check_api_key
 from service.core.logs import log_settings
@@ -49,11 +49,6 @@ health_router = APIRouter(prefix="/v2", tags=["Open Inference Protocol"])  # ope
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-# A control call's body is a few hundred bytes. Parsed on the event loop, 32 MiB of JSON settings (the body
-# limit) took 1.5 s and 312 MiB there (orjson, 2.4 M keys).
-CONTROL_BODY_BYTES = 64 * 1024
 
 
 async def _control_body(request: Request) -> bytes:
