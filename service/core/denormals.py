@@ -4,17 +4,19 @@ A masked score's exponential underflows to a denormal on its way to 0. Where the
 assist for each such result (Intel's cores under MLAS's AVX-512F softmax), a masked run costs several times
 an unmasked one; with MXCSR's flush-to-zero and denormals-are-zero bits set it does not (`python
 bench/underflow.py`). The bits are per thread, and ONNX Runtime's own option (session.set_denormal_as_zero)
-sets them on its pool's threads only, not on the thread that calls run(). So each run sets them on its
-thread and puts the thread's bits back after: the event loop's NumPy, and a caller's thread, keep IEEE
+sets them on its pool's threads only, not on the thread that calls run() (and, for good, on the thread that
+makes a process's first session: `kept` puts them back). So each run sets them on its thread and puts the
+thread's bits back after: the event loop's NumPy, and a caller's thread, keep IEEE
 denormals. A result below float32's smallest normal (1.2e-38) then reads 0. x86-64 with glibc only;
 elsewhere nothing changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 FTZ = 0x8000  # MXCSR's flush-to-zero bit
@@ -68,6 +70,21 @@ def run(call: Callable[..., T], *args: Any) -> T:
     _LIBM.fesetenv(ctypes.byref(flushed))
     try:
         return call(*args)
+    finally:
+        _LIBM.fesetenv(ctypes.byref(saved))
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """This thread's bits as they were, once the block ends: the first session of a process made with
+    session.set_denormal_as_zero sets them on the thread that makes it, for good."""
+    if _LIBM is None:
+        yield
+        return
+    saved = _Env()
+    _LIBM.fegetenv(ctypes.byref(saved))
+    try:
+        yield
     finally:
         _LIBM.fesetenv(ctypes.byref(saved))
 

@@ -91,8 +91,9 @@ def _new_session(path: Path, options: ort.SessionOptions, providers: list[Any]) 
     machine without a GPU that is the expected outcome, said once by the caller in one line, so its
     log is captured here rather than shown."""
     if CUDA not in str(providers):
-        return ort.InferenceSession(str(path), sess_options=options, providers=providers), ""
-    with stderr_captured() as captured:
+        with denormals.kept():
+            return ort.InferenceSession(str(path), sess_options=options, providers=providers), ""
+    with stderr_captured() as captured, denormals.kept():
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     if session.get_providers()[0] == CUDA:
         sys.stderr.write(captured[0])  # nothing to hide: pass on whatever it said

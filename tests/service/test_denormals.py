@@ -3,6 +3,8 @@ flushes where the setting is on, and the thread's bits are as before once it ret
 thread leaves them too); the served answers differ by less than float32's smallest normal with the setting on
 and off."""
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -80,6 +82,19 @@ def test_the_loader_sets_it_and_a_warm_up_leaves_the_callers_bits(repository: Pa
     weights = registry.get("masked_softmax").run({"scores": scores, "valid_lens": np.array([[3]], np.int64)})
     expected = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
     np.testing.assert_allclose(weights["attention_weights"], expected, rtol=1e-6, atol=TINY)
+
+
+def test_the_first_session_of_a_process_leaves_the_loading_threads_bits(repository: Path):
+    """ONNX Runtime's first session made with session.set_denormal_as_zero set the bits on the thread that
+    made it, for good: a caller that loaded the models (a test, the service's loading thread) then flushed
+    its own NumPy's denormals, and hypothesis refused to make floats."""
+    code = ("import sys; from pathlib import Path; from service.core import denormals; "
+            "from service.core.runtime import Registry; "
+            "Registry.load(Path(sys.argv[1]), 'cpu', 1, flush_denormals=True); print(denormals.flushing())")
+    out = subprocess.run([sys.executable, "-c", code, str(repository)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False", out.stdout
 
 
 @pytest.mark.slow
