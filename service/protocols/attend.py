@@ -147,7 +147,7 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
     """POST /attend's body -> Request. Raises ServiceError subclasses for bad input, with `.model`
     set to the model's name once it is known (for the metrics' label). `brackets`: the body's count of
     '[', where the caller has it."""
-    data = parse(body)
+    data = parse(body, _FIELD_SET)
     model = resolve_model(data, registry)
     layout = None
     if len(body) <= SMALL_BODY:

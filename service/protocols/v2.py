@@ -309,9 +309,43 @@ def _tensor(entry: Any, model: LoadedModel, reader: _Reader, seen: set[str]) -> 
     return name, _json_data(entry["data"], name, shape, dtype, count)
 
 
-def _plain(value: Any) -> Any:
-    return value.as_list() if isinstance(value, simdjson.Array) else value.as_dict() \
-        if isinstance(value, simdjson.Object) else value
+# Besides the tensors' data, a request's values are a few: parameters, shapes, outputs. simdjson makes a
+# container Python objects holding the GIL (2 M parameters: 1.2 s of the event loop, on a decode thread) and
+# finds a key by reading the keys before it (the keys of an input of 40 k: 5.4 s), so a container of more than
+# SMALL values in all is refused before either.
+SMALL = 64
+_CONTAINERS = (simdjson.Array, simdjson.Object, list, dict)
+_ARRAYS = (simdjson.Array, list)
+
+
+def _small(value: Any, what: str, of: str = "") -> Any:
+    """`value` as Python objects, where it holds at most SMALL values in all; else a 400 naming `of` + `what`."""
+    if not isinstance(value, _CONTAINERS):
+        return value
+    left = [SMALL]
+    plain = _plain(value, left)
+    if left[0] < 0:
+        raise BadRequest(f"{of}{what} holds more than {SMALL} values (a request's parameters, shapes and outputs "
+                         "hold a few)")
+    return plain
+
+
+def _plain(node: Any, left: list[int]) -> Any:
+    """`_small`'s walk; `left`: the values it may still take (below 0: it stopped)."""
+    left[0] -= len(node)
+    if left[0] < 0:
+        return None
+    if isinstance(node, _ARRAYS):
+        items = list(node)  # an array's containers stay proxies, counted before they are made lists
+        for i, item in enumerate(items):
+            if isinstance(item, _CONTAINERS):
+                items[i] = _plain(item, left)
+        return items
+    plain = {key: node[key] for key in node}
+    for key, item in plain.items():
+        if isinstance(item, _CONTAINERS):
+            plain[key] = _plain(item, left)
+    return plain
 
 
 def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: int) -> np.ndarray:
@@ -465,24 +499,23 @@ class InferCodec:
         request_id = head.get("id")
         if request_id is not None and not isinstance(request_id, str):
             raise BadRequest(f"id must be a string, got {json_type(request_id)}")
-        parameters = head.get("parameters")
-        if isinstance(parameters, simdjson.Object):
-            parameters = parameters.as_dict()
+        parameters = _small(head.get("parameters"), "parameters")
         inputs = head.get("inputs")
         if not isinstance(inputs, simdjson.Array | list):
             raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
         shm = shm or SharedReads(None, 0, None)
         reader, seen, tensors = _Reader(memoryview(body)[split:], cost, shm), set(), {}
         for entry in inputs:
-            if isinstance(entry, simdjson.Object):  # all but the data as plain values: they are small
+            if isinstance(entry, simdjson.Object | dict):  # all but the data as plain values: they are small
+                if len(entry) > SMALL:
+                    raise BadRequest(f"an input has {len(entry)} fields; it takes name, datatype, shape, "
+                                     "parameters and data")
                 # By key: simdjson's items() would make the data a Python list too (a float object a number).
-                entry = {k: entry[k] if k == "data" else _plain(entry[k]) for k in entry.keys()}
+                entry = {k: entry[k] if k == "data" else _small(entry[k], k, "an input's ") for k in entry}
             name, array = _tensor(entry, model, reader, seen)
             tensors[name] = array
         reader.done()
-        outputs = head.get("outputs")
-        if isinstance(outputs, simdjson.Array):
-            outputs = outputs.as_list()
+        outputs = _small(head.get("outputs"), "outputs")
         wanted = requested(outputs, model, _flag(parameters, "binary_data_output"))
         request = tensors_request(model, tensors, [n for n, _ in wanted], limits)
         if isinstance(parameters, dict) and "timeout" in parameters:

@@ -142,3 +142,33 @@ def every_form(size: int) -> list[Body]:
             compressed(json_long(size)), compressed(json_dense(size)), compressed(json_dense(size), "deflate"),
             v2_json_dense(size), v2_binary(size), v2_binary(size, "FP16"), compressed(v2_binary(size)),
             v2_binary_lying(size), v2_header_lying(size)]
+
+
+def _filled(size: int, head: str, item: str, tail: str) -> bytes:
+    """`head`, then `item` (with {i} the item's number) as many times as `size` allows, comma-separated."""
+    items, total, i = [], len(head) + len(tail), 0
+    while total < size:
+        items.append(item.format(i=i))
+        total += len(items[-1]) + 1
+        i += 1
+    return (head + ",".join(items) + tail).encode()
+
+
+_QUERIES = '{"name":"queries","datatype":"FP32","shape":[1,1,2],"data":[1,2]'
+
+
+def many_values(size: int) -> list[Body]:
+    """Bodies of many keys or values where a request has a few (a refusal each, once it is seen): simdjson
+    finds a key by reading the keys before it, and makes a container Python objects holding the GIL."""
+    json_type = {"content-type": "application/json"}
+    return [
+        Body("JSON, many keys", ATTEND, _filled(size, '{"model":"dot_product",', '"k{i}":0', "}"), json_type, (422,)),
+        Body("OIP JSON, many parameters", INFER, _filled(size, '{"inputs":[],"parameters":{', '"k{i}":0', "}}"),
+             json_type, (400,)),
+        Body("OIP JSON, an input of many keys", INFER, _filled(size, '{"inputs":[' + _QUERIES + ",", '"k{i}":0', "}]}"),
+             json_type, (400,)),
+        Body("OIP JSON, a shape of many dimensions", INFER,
+             _filled(size, '{"inputs":[{"name":"queries","datatype":"FP32","shape":[', "1", "]}]}"), json_type, (400,)),
+        Body("OIP JSON, many outputs", INFER, _filled(size, '{"inputs":[' + _QUERIES + '}],"outputs":[', "{{}}", "]}"),
+             json_type, (400,)),
+    ]

@@ -26,7 +26,17 @@ import pytest
 
 from service.config import Settings
 from service.core.runtime import Registry
-from tests.load.bodies import ATTEND, INFER, Body, compressed, every_form, json_dense, json_long, v2_binary
+from tests.load.bodies import (
+    ATTEND,
+    INFER,
+    Body,
+    compressed,
+    every_form,
+    json_dense,
+    json_long,
+    many_values,
+    v2_binary,
+)
 from tests.load.membound import counted, largest_weights, resident_after_idle, status_mib
 from tests.server import AHEAD, running_service
 from tests.service.test_overload import rss_mb, sampling_rss
@@ -135,6 +145,41 @@ def test_worst_case_bodies_of_every_form_are_bounded_and_the_loop_keeps_answerin
         assert httpx.get(f"{url}/health/ready").status_code == 200
         ok = json_long(64 * 1024)
         assert httpx.post(f"{url}{ok.path}", content=ok.content, headers=ok.headers).status_code == 200
+
+
+# What each of tests/load/bodies.py's `many_values` is refused with: read no further than the first keys.
+_MANY = {"JSON, many keys": "unknown field 'k0'",
+         "OIP JSON, many parameters": "parameters holds more than 64 values",
+         "OIP JSON, an input of many keys": "an input has ",
+         "OIP JSON, a shape of many dimensions": "an input's shape holds more than 64 values",
+         "OIP JSON, many outputs": "outputs holds more than 64 values"}
+
+
+def test_bodies_of_many_keys_or_values_are_refused_at_the_first_few(repository):
+    """A request holds a few keys, parameters, dimensions and outputs. Bodies of 6 MiB of them, two at a time:
+    each refused within 5 s, naming what it holds too many of, while /health/live answers. Before: the keys of
+    /attend's body were read each by reading those before it (40 k keys took 5.4 s; these, past the 30 s
+    deadline, on a decode thread that went on), and a million parameters were made Python objects holding
+    the GIL (1 s of the event loop at 28 MiB)."""
+    bodies = many_values(6 * 2**20)
+    assert set(_MANY) == {body.name for body in bodies}
+    with running_service(repository, prefix=AHEAD) as (url, proc):
+        poller = HealthPoller(url)
+        time.sleep(0.3)
+
+        def timed(body: Body) -> tuple[Body, int | str, dict, float]:
+            start = time.monotonic()
+            return (*_send(url, body), time.monotonic() - start)
+
+        with ThreadPoolExecutor(2, initializer=lower_priority) as pool:
+            results = list(pool.map(timed, bodies))
+        gap, answers, canary = poller.stop()
+        for body, status, answer, seconds in results:
+            assert status in body.statuses, (body.name, status, answer)
+            message = answer["error"] if isinstance(answer["error"], str) else answer["error"]["message"]
+            assert message.startswith(_MANY[body.name]), (body.name, message)
+            assert seconds < 5, (body.name, seconds)
+        assert answers > 5 and gap < loop_gap_bar(750, canary), (gap, answers, canary, os.getloadavg())
 
 
 def test_a_compressed_body_is_measured_inflated(repository):

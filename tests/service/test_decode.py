@@ -138,7 +138,7 @@ def test_the_small_body_path_is_taken_for_valid_bodies():
     for kind in ("dot_product", "additive", "multi_head", "self_attention"):
         for style in ("compact", "indented", "integers", "exponents"):
             body = _random_body(rng, kind, style)
-            data = json_arrays.parse(body)
+            data = json_arrays.parse(body, decode.FIELDS)
             fields = [f for f in ("queries", "keys", "values", "valid_lens") if data.get(f) is not None]
             assert json_arrays.small_body_arrays(json_arrays.skeleton(body), data, fields) is not None, body[:200]
 
@@ -242,17 +242,17 @@ def test_a_small_body_parses_on_its_threads_parser_and_a_busy_parser_gives_way(r
     monkeypatch.setattr(json_arrays.simdjson, "Parser", lambda: made.append(1) or real())
     monkeypatch.setattr(json_arrays._threads, "parser", None, raising=False)
     for _ in range(3):
-        assert json_arrays.parse(b'{"queries": [[[1.0]]]}')["queries"].as_list() == [[[1.0]]]
+        assert json_arrays.parse(b'{"queries": [[[1.0]]]}', decode.FIELDS)["queries"].as_list() == [[[1.0]]]
     assert len(made) == 1  # the thread's, once
-    first = json_arrays.parse(b'{"queries": [[[1.0, 2.0]]]}')
-    second = json_arrays.parse(b'{"keys": [[[3.0]]]}')
+    first = json_arrays.parse(b'{"queries": [[[1.0, 2.0]]]}', decode.FIELDS)
+    second = json_arrays.parse(b'{"keys": [[[3.0]]]}', decode.FIELDS)
     assert len(made) == 2  # `first` holds the thread's: a fresh one
     assert type(first["queries"]) is type(second["keys"]) is simdjson.Array  # neither the slow way
     assert first["queries"].as_list() == [[[1.0, 2.0]]] and second["keys"].as_list() == [[[3.0]]]
     del first, second
-    third = json_arrays.parse(b'{"values": [[[4.0]]]}')  # the thread's parser, free again
+    third = json_arrays.parse(b'{"values": [[[4.0]]]}', decode.FIELDS)  # the thread's parser, free again
     assert len(made) == 2
-    large = json_arrays.parse(b'{"values": [[[' + b",".join([b"1.0"] * 20_000) + b']]]}')
+    large = json_arrays.parse(b'{"values": [[[' + b",".join([b"1.0"] * 20_000) + b']]]}', decode.FIELDS)
     assert len(made) == 3 and large["values"].as_list()[0][0][:2] == [1.0, 1.0]
     assert type(third["values"]) is simdjson.Array and third["values"].as_list() == [[[4.0]]]
 
