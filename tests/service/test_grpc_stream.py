@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from service.http.schemas import toy_request
 from tests.server import free_port, running_service
@@ -173,6 +173,27 @@ def test_a_client_that_sends_and_does_not_read_is_held_back(server):
     assert len(answers) == 20_000
     assert {a.error_message.partition(";")[0] for a in answers} <= {
         "unknown model 'nope'", "512 calls are under way (ATTEND_MAX_CONNECTIONS)"}
+
+
+def test_a_message_that_costs_more_parsed_is_refused_on_the_stream_which_goes_on(server):
+    """A stream's message is walked before it is parsed, as a call's (service.grpc.wire): 2 MiB of empty
+    inputs is refused naming them, and the stream's next message is answered."""
+    _, address, _ = server
+    costly = pb.ModelInferRequest(model_name="additive").SerializeToString() + b"\x2a\x00" * (1 << 20)
+    _, book = _arrays(json.dumps(toy_request()).encode())
+    good = pb.ModelInferRequest(model_name="additive", id="after")
+    for name, array in book.items():
+        good.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=array.shape)
+        good.raw_input_contents.append(array.tobytes())
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(STREAM)(iter([costly, good.SerializeToString()]),
+                                             metadata=[("authorization", f"Bearer {KEY}")])
+        answers = [pb.ModelStreamInferResponse.FromString(raw) for raw in call]
+    assert answers[0].error_message.startswith("the message has over 4096 fields (at inputs)"), answers[0]
+    assert not answers[1].error_message and answers[1].infer_response.id == "after", answers[1].error_message
+    outputs = answers[1].infer_response.raw_output_contents[0]
+    np.testing.assert_allclose(np.frombuffer(outputs, np.float32).reshape(np.shape(BOOK_OUTPUTS)), BOOK_OUTPUTS,
+                               rtol=1e-6)
 
 
 def test_the_bounds_hold_per_message_and_per_stream_and_a_cancelled_call_is_gone(repository, tmp_path):
