@@ -33,10 +33,6 @@ from service.core.runtime import LoadedModel, Registry, StartupError
 
 log = logging.getLogger("service")
 
-# A control call's body or message is a few hundred bytes. Parsed on the event loop, 32 MiB of JSON settings
-# (the body limit) took 1.5 s and 312 MiB there (orjson, 2.4 M keys); as a gRPC TraceSettingRequest, 5.6 s.
-CONTROL_BODY_BYTES = 64 * 1024
-
 
 class LoadFailed(ServiceError):
     """The model could not be loaded; what was serving still is."""

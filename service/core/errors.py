@@ -123,6 +123,12 @@ class RequestTimeout(ServiceError):
               "ATTEND_MIN_BODY_RATE); on a slow link, raise them.")
 
 
+# A control call's body or message is a few hundred bytes; past this, PayloadTooLarge. Parsed on the event loop,
+# 32 MiB of JSON settings (the body limit) took 1.5 s and 312 MiB there (orjson, 2.4 M keys); as a gRPC
+# TraceSettingRequest, 5.6 s.
+CONTROL_BODY_BYTES = 64 * 1024
+
+
 class PayloadTooLarge(ServiceError):
     """The body, or what it asks for, is over a limit; the message names the setting."""
 

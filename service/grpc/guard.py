@@ -49,8 +49,15 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.core.control import CONTROL_BODY_BYTES
-from service.core.errors import InvalidRequest, NotReady, Overloaded, PayloadTooLarge, RequestTimeout, ServiceError
+from service.core.errors import (
+    CONTROL_BODY_BYTES,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+)
 from service.core.logs import log_access
 from service.grpc import wire
 from service.grpc.status import end_call
@@ -94,6 +101,33 @@ class Handlers:
         self.service, self.handlers = service, dict(handlers)
 
 
+class MessageCheck:
+    """What a method's message may cost before protobuf parses it: a control call's at most 64 KiB, and a
+    large one walked first (service.grpc.wire)."""
+
+    def __init__(self, max_message_bytes: int):
+        self.max_message_bytes = max_message_bytes
+        self.schemas: dict[str, dict[int, Any]] = {}  # each method's request message, by name
+
+    def add(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        for name, handler in handlers.items():
+            self.schemas[name] = wire.schema(handler.request_deserializer.__self__.DESCRIPTOR)
+
+    def parsed_bytes(self, name: str, message: bytes) -> int:
+        """The bytes `message` takes parsed; raises ServiceError where it may not be parsed, DecodeError where
+        it is not a message."""
+        if name not in INFERENCE and len(message) > CONTROL_BODY_BYTES:
+            raise PayloadTooLarge(f"{name}'s message has {len(message)} bytes; the limit is {CONTROL_BODY_BYTES} "
+                                  "(a control call's limit)", expected=CONTROL_BODY_BYTES, received=len(message))
+        if len(message) <= wire.SCAN_BYTES:
+            return len(message)
+        return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes)
+
+
+def not_a_message(name: str) -> InvalidRequest:
+    return InvalidRequest(f"{name}: the request message is not an inference.{name}Request")
+
+
 class CallGuard:
     """Counts the calls under way and reads each one's message within the time allowed."""
 
@@ -101,8 +135,7 @@ class CallGuard:
                  gone: Callable[[str, float], None] = lambda name, seconds: None, max_streams: int = 4096,
                  max_message_bytes: int = 1 << 62):
         self.max_calls = max_calls
-        self.max_message_bytes = max_message_bytes  # ATTEND_MAX_BODY_BYTES, which grpc checks too
-        self.schemas: dict[str, dict[int, Any]] = {}  # each method's request message, for service.grpc.wire
+        self.check = MessageCheck(max_message_bytes)  # the methods', as they are registered
         self.message_timeout_s = message_timeout_s
         self.refusals = refusals
         self.gone = gone  # a call whose client went away while its message came: (method, seconds)
@@ -139,8 +172,7 @@ class CallGuard:
     def register(self, server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any) -> None:
         taken = Handlers()
         add_servicer(servicer, taken)
-        for name, handler in taken.handlers.items():
-            self.schemas[name] = wire.schema(handler.request_deserializer.__self__.DESCRIPTOR)
+        self.check.add(taken.handlers)
         guarded = {name: self.guarded(name, handler) for name, handler in taken.handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, guarded),))
         server.add_registered_method_handlers(taken.service, guarded)
@@ -188,25 +220,14 @@ class CallGuard:
         if message is grpc.aio.EOF:
             return _end(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
         try:
-            size = self.parsed_bytes(name, message)
+            size = self.check.parsed_bytes(name, message)
             request = deserialize(message)
         except DecodeError:
-            return _end(context, name, InvalidRequest(
-                f"{name}: the request message is not an inference.{name}Request"))
+            return _end(context, name, not_a_message(name))
         except ServiceError as e:
             return _end(context, name, e)
         message_size.set(size)
         return request
-
-    def parsed_bytes(self, name: str, message: bytes) -> int:
-        """The bytes `message` takes parsed; raises ServiceError where it may not be parsed (over its
-        method's limit, or too costly a parse: service.grpc.wire), DecodeError where it is not a message."""
-        if name not in INFERENCE and len(message) > CONTROL_BODY_BYTES:
-            raise PayloadTooLarge(f"{name}'s message has {len(message)} bytes; the limit is {CONTROL_BODY_BYTES} "
-                                  "(a control call's limit)", expected=CONTROL_BODY_BYTES, received=len(message))
-        if len(message) <= wire.SCAN_BYTES:
-            return len(message)
-        return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes)
 
     def _open_stream(self, name: str, context: grpc.aio.ServicerContext) -> bool:
         """A stream opens: counted against ATTEND_MAX_OPEN_CONNECTIONS (`streams`, given back by the caller),
@@ -289,7 +310,7 @@ class CallGuard:
                     continue
                 size = len(message)
                 try:
-                    size = self.parsed_bytes(name, message)
+                    size = self.check.parsed_bytes(name, message)
                     request = deserialize(message)
                 except DecodeError:
                     self.give()

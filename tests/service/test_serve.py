@@ -229,6 +229,18 @@ def test_grpc_through_serves_proxy_gives_the_apps_numbers_and_errors(serve_url, 
         assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert error.value.details() == "ModelStreamInfer is not served through Ray Serve: send each request as a " \
             "ModelInfer call"
+        # Serve's proxy parses each request: one whose parse would build 1 M objects is refused unparsed, as by
+        # `python -m service` (service.grpc.proxied), a control call's past 64 KiB too.
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as error:
+            infer(pb.ModelInferRequest(model_name="additive").SerializeToString() + b"\x2a\x00" * (1 << 20))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("the message has over 4096 fields (at inputs)"), error.value.details()
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary("/inference.GRPCInferenceService/LogSettings")(bytes(100_000))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.value.details().startswith("LogSettings's message has 100000 bytes; the limit is 65536")
+        assert stub.ServerLive(pb.ServerLiveRequest()).live
 
 
 def _steady(answer):

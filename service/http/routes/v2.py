@@ -26,8 +26,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.core.control import CONTROL_BODY_BYTES, check_parameters
-from service.core.errors import ServiceError
+from service.core.control import check_parameters
+from service.core.errors import CONTROL_BODY_BYTES, ServiceError
 from service.core.keys import check_api_key
 from service.core.logs import log_settings
 from service.core.request import find_model
