@@ -38,7 +38,7 @@ from pools import SEED, WORKLOADS, attend_json  # noqa: E402
 from run import SERVER_CPU  # noqa: E402
 
 from service.core.runtime import Registry  # noqa: E402
-from service.protocols.attend import attend, decode_body, encode_attend, parse  # noqa: E402
+from service.protocols.attend import FIELDS, attend, decode_body, encode_attend, parse  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
 
 STAGES = ("JSON parse", "arrays and checks", "session run", "JSON encode")
@@ -121,7 +121,7 @@ class Service:
 
     def timed(self, raw: bytes, spent: dict[str, float]) -> None:
         t0 = time.perf_counter()
-        parse(raw)
+        parse(raw, FIELDS)
         t1 = time.perf_counter()
         request = decode_body(raw, self.registry)  # parses again: the arrays and checks are its time less t1 - t0
         t2 = time.perf_counter()
