@@ -36,11 +36,11 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.asgi import without_shared_memory
 from service.config import Settings, get_settings
-from service.core.logs import configure_logging, log_access
+from service.core.logs import configure_logging
+from service.grpc.guard import refuse
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proxied import Refused
 from service.grpc.server import Servicer
-from service.grpc.status import end_call
 from service.http.app import AttendApp, create_app
 
 # For the Serve config's grpc_options.grpc_servicer_functions: the service's RPCs on Serve's gRPC proxy.
@@ -133,8 +133,7 @@ def _grpc_call(name: str) -> Any:
 
     async def call(self: Any, request: Any, grpc_context: Any) -> Any:
         if isinstance(request, Refused):
-            log_access("GRPC", name, request.error.status, 0.0)
-            end_call(_Context(grpc_context), request.error)
+            refuse(_Context(grpc_context), name, request.error)
             return empty()
         answer = await getattr(self.servicer(), name)(request, _Context(grpc_context))
         return answer if answer is not None else empty()

@@ -191,7 +191,7 @@ class CallGuard:
             else:
                 refusal = self.take()
                 if refusal is not None:
-                    return _end(context, name, refusal)
+                    return refuse(context, name, refusal)
             self.unfinished += 1
             context.add_done_callback(self._finished)  # once grpc has sent the answer and the status
             try:
@@ -215,17 +215,17 @@ class CallGuard:
             raise
         except TimeoutError:
             self._refused("body_timeout")
-            return _end(context, name, RequestTimeout(
+            return refuse(context, name, RequestTimeout(
                 f"the call's message did not arrive within {self.message_timeout_s:g} s (ATTEND_BODY_TIMEOUT_S)"))
         if message is grpc.aio.EOF:
-            return _end(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
+            return refuse(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
         try:
             size = self.check.parsed_bytes(name, message)
             request = deserialize(message)
         except DecodeError:
-            return _end(context, name, not_a_message(name))
+            return refuse(context, name, not_a_message(name))
         except ServiceError as e:
-            return _end(context, name, e)
+            return refuse(context, name, e)
         message_size.set(size)
         return request
 
@@ -233,11 +233,11 @@ class CallGuard:
         """A stream opens: counted against ATTEND_MAX_OPEN_CONNECTIONS (`streams`, given back by the caller),
         or refused."""
         if self.stopping:
-            _end(context, name, _stopping("retry on another"))
+            refuse(context, name, _stopping("retry on another"))
             return False
         if self.streams >= self.max_streams:
             self._refused("connections")
-            _end(context, name, Overloaded(
+            refuse(context, name, Overloaded(
                 f"{self.max_streams} streams are open (ATTEND_MAX_OPEN_CONNECTIONS); retry shortly",
                 headers={"Retry-After": "1"}))
             return False
@@ -282,7 +282,7 @@ class CallGuard:
                 return
             try:
                 if await serve(context) and self.stopping:
-                    _end(context, name, _stopping(advice))
+                    refuse(context, name, _stopping(advice))
             finally:
                 self.streams -= 1
 
@@ -337,6 +337,7 @@ def _stopping(advice: str) -> NotReady:
     return NotReady(f"the service is stopping; {advice}", headers={"Retry-After": "1"})
 
 
-def _end(context: grpc.aio.ServicerContext, name: str, error: ServiceError) -> None:
+def refuse(context: grpc.aio.ServicerContext, name: str, error: ServiceError) -> None:
+    """Ends call `name` with `error`, and writes its access line."""
     log_access("GRPC", name, error.status, 0.0)
     end_call(context, error)
