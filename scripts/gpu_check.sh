@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks only a GPU machine can run, in one go, each step bounded in time and all of them by BUDGET
-# (at most 9 minutes): what ONNX Runtime sees there, the gpu-marked tests, the long-sequence table
-# (bench/longseq.py: model.onnx against the fused graph and its fp16 form, outputs only), the scaling sweep
+# (at most 9 minutes): what ONNX Runtime sees there, the gpu-marked tests and the files their services wrote
+# (for a read-only root), the long-sequence table (bench/longseq.py: model.onnx against the fused graph and its
+# fp16 form, outputs only), the scaling sweep
 # (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside)
 # and the engine's (bench/engine.py: a session a worker against one engine process owning the GPU).
 # Each step's output goes to OUT/<step>.txt, its exit status to OUT/summary.txt, the benches' results to
@@ -43,12 +44,17 @@ step() {  # step NAME SECONDS COMMAND...: the command's output in OUT/NAME.txt, 
 
 step environment 30 bash -ec "nvidia-smi; lscpu | grep -m1 'Model name'; nproc
   $PY -c 'import onnxruntime as o, pynvml; print(o.__version__, o.get_available_providers())'"
+touch "$OUT/.started"
 step pytest-gpu 100 env ATTEND_TEST_REPOSITORY="$REPOSITORY" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
     tests/service/test_gpu.py
 if grep -q skipped "$OUT/pytest-gpu.txt"; then  # here a skip is a failure: CUDA could not be used
     echo "pytest-gpu: tests skipped" | tee -a "$OUT/summary.txt" >&2
     status=1
 fi
+# What the gpu tests' CUDA services wrote, outside OUT and /proc, /sys, /dev (files by folder): whether the GPU
+# compose service and deploy/kubernetes/attend-gpu.yaml may have a read-only root, as the CPU ones have.
+step writes 30 bash -c 'find / \( -path /proc -o -path /sys -o -path /dev -o -path "$1" \) -prune -o -type f \
+    -newer "$1/.started" -printf "%h\n" | sort | uniq -c | sort -rn | head -80' writes "$(realpath "$OUT")"
 step longseq 130 "$PY" bench/longseq.py --device cuda --repository "$LONGSEQ" --budget 105 \
     --results "$OUT/longseq-cuda.json"
 step scaling 270 "$PY" bench/scaling.py --device both --processes 1,2,4,8 --budget 225 \
