@@ -11,6 +11,10 @@ Modes (each a fresh local Ray, started with the mode's environment; Serve reads 
            client there gets). With more replicas a balancer of one's own must spread clients over their
            ports: HAProxy mode is that, so direct is measured with one replica only.
 
+gRPC (W1grpc: bench/pools.py's varied W1 bodies as ModelInfer messages, bench/grpc_load.py one process a
+connection): `python -m service`'s own gRPC server against Serve's gRPC proxy (proxy mode, with
+service.serve.GRPC_SERVICER, as deploy/ray/cluster.yaml); HAProxy and direct ingress carry HTTP only.
+
 bench/run.py's conventions: every server (`python -m service`, or the whole Ray cluster: GCS, raylet,
 controller, proxy, replicas) pinned to core 0, one ONNX Runtime thread a replica, access log at info;
 wrk pinned to core 1; the W1 and W3 workloads of bench/run.py. CPU us / request is the user + system
@@ -37,24 +41,27 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.run import PIN, SERVER_CPU, machine, service_env, workloads, wrk  # noqa: E402
+from bench.grpc_load import grpc_point  # noqa: E402
+from bench.pools import make_pools  # noqa: E402
+from bench.run import LOAD_CPU, PIN, SERVER_CPU, machine, service_env, workloads, wrk  # noqa: E402
 from tests.server import free_port, running_service  # noqa: E402
 
 MODES = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}, "direct": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 
 
-def child(port: int, repository: Path) -> int:
-    """A Ray cluster serving the app, in this process's environment; on stdin "N" deploys N replicas (and
-    answers "ready N" when they serve), end of input stops everything."""
+def child(port: int, grpc_port: int, repository: Path) -> int:
+    """A Ray cluster serving the app, in this process's environment (its gRPC proxy on `grpc_port`, 0: none);
+    on stdin "N" deploys N replicas (and answers "ready N" when they serve), end of input stops everything."""
     import ray
     from ray import serve
 
-    from service.serve import Attend
+    from service.serve import GRPC_SERVICER, Attend
 
     env = {"ATTEND_MODEL_REPOSITORY": str(repository), "ATTEND_DEVICE": "cpu", **service_env(True, {})}
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        grpc = {"grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}} if grpc_port else {}
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc)
         for line in sys.stdin:
             replicas = int(line)
             start = time.monotonic()
@@ -73,13 +80,15 @@ def child(port: int, repository: Path) -> int:
 class RayServer:
     """The child above, pinned like every measured server; its whole process tree is the server."""
 
-    def __init__(self, mode: str, repository: Path):
+    def __init__(self, mode: str, repository: Path, grpc: bool):
         self.port = free_port()
+        self.grpc_port = free_port() if grpc else 0
         self.log = tempfile.TemporaryFile(mode="w+")
         env = os.environ | MODES[mode] | {"RAY_ADDRESS": ""}
         start = time.monotonic()
         self.proc = subprocess.Popen(
-            [*PIN, sys.executable, __file__, "--child", str(self.port), "--repository", str(repository)],
+            [*PIN, sys.executable, __file__, "--child", str(self.port), str(self.grpc_port), "--repository",
+             str(repository)],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.started_s = time.monotonic() - start
 
@@ -155,6 +164,16 @@ def measure(port: int, pid: int, body: Path, concurrency: int, warmup: float, se
     return result
 
 
+def measure_grpc(port: int, pid: int, index: Path, concurrency: int, warmup: float, seconds: float) -> dict:
+    """measure's figures for gRPC ModelInfer calls (bench/grpc_load.py)."""
+    grpc_point(port, index, concurrency, warmup, LOAD_CPU)
+    before = cpu_seconds(pid)
+    point = grpc_point(port, index, concurrency, seconds, LOAD_CPU)
+    return {"rps": point.rps, "p50_us": 1e3 * point.percentile(50), "p99_us": 1e3 * point.percentile(99),
+            "cpu_us": 1e6 * (cpu_seconds(pid) - before) / max(point.requests, 1),
+            "errors": point.failed + sum(point.errors.values())}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
@@ -164,11 +183,12 @@ def main() -> int:
     parser.add_argument("--modes", default="proxy,haproxy,direct")
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--no-grpc", action="store_true", help="HTTP only (no W1grpc rows)")
     parser.add_argument("--out", type=Path, help="also write the section (machine, command, tables) to this file")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        return child(args.child, args.repository)
+        return child(*args.child, args.repository)
     if shutil.which("wrk") is None:
         print("wrk is needed: apt-get install wrk", file=sys.stderr)
         return 2
@@ -177,6 +197,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="attend-bench-ray-"))
     for name, (_, body) in work.items():
         (tmp / f"{name}.json").write_text(json.dumps(body))
+    grpc_rows = {} if args.no_grpc else {row: pool["index"] for row, pool in make_pools(tmp, ["W1grpc"]).items()}
     concurrency = [int(c) for c in args.concurrency.split(",")]
     replica_counts = [int(r) for r in args.replicas.split(",")]
     servers = [("service", 1)] + [(m, r) for m in args.modes.split(",")
@@ -185,11 +206,16 @@ def main() -> int:
     memory: dict[tuple, list[tuple[float, float]]] = {}
     timings: dict[str, list[str]] = {}
 
-    def points(label: tuple, port: int, pid: int) -> None:
+    def points(label: tuple, port: int, pid: int, grpc_port: int = 0) -> None:
         for name in work:
             for c in concurrency:
                 print(f"  {name} c={c} {label} ...", file=sys.stderr)
                 r = measure(port, pid, tmp / f"{name}.json", c, args.warmup, args.duration)
+                measured.setdefault((name, c, *label), []).append(r)
+        for name, index in grpc_rows.items() if grpc_port else ():
+            for c in concurrency:
+                print(f"  {name} c={c} {label} ...", file=sys.stderr)
+                r = measure_grpc(grpc_port, pid, index, c, args.warmup, args.duration)
                 measured.setdefault((name, c, *label), []).append(r)
         memory.setdefault(label, []).append(pss_mib(pid))
         # The pinning holds for every process of the server (Ray's are the driver's descendants).
@@ -202,16 +228,18 @@ def main() -> int:
         for kind in order if rep % 2 == 0 else order[::-1]:
             print(f"[{rep + 1}/{args.repeat}] {kind}", file=sys.stderr)
             if kind == "service":
-                with running_service(args.repository, prefix=PIN, **service_env(True, {})) as (url, proc):
-                    points(("service", 1), int(url.rsplit(":", 1)[1]), proc.pid)
+                grpc_port = free_port() if grpc_rows else 0
+                with running_service(args.repository, prefix=PIN,
+                                     **service_env(True, {"ATTEND_GRPC_PORT": str(grpc_port)})) as (url, proc):
+                    points(("service", 1), int(url.rsplit(":", 1)[1]), proc.pid, grpc_port)
                 continue
-            server = RayServer(kind, args.repository)
+            server = RayServer(kind, args.repository, kind == "proxy" and bool(grpc_rows))
             try:
                 for replicas in replica_counts if kind != "direct" else [1]:
                     took = server.deploy(replicas)
                     timings.setdefault(kind, []).append(f"serve.run {replicas}: {took:.1f} s")
                     port = replica_port(server.proc.pid) if kind == "direct" else server.port
-                    points((kind, replicas), port, server.proc.pid)
+                    points((kind, replicas), port, server.proc.pid, server.grpc_port)
             finally:
                 timings.setdefault(kind, []).append(f"stop {server.stop():.1f} s")
     shutil.rmtree(tmp)
@@ -223,10 +251,12 @@ def main() -> int:
               "direct": "Serve, direct ingress: the replica's port (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`)"}
     lines = ["| workload | concurrency | server | replicas | req/s | p50 ms | p99 ms | CPU us / request | errors | "
              "x service |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in work:
+    for name in [*work, *grpc_rows]:
         for c in concurrency:
             base = rows[(name, c, "service", 1)]["rps"]
             for kind, replicas in servers:
+                if (name, c, kind, replicas) not in rows:  # gRPC: the service and Serve's proxy only
+                    continue
                 r = rows[(name, c, kind, replicas)]
                 lines.append(f"| {name} | {c} | {labels[kind]} | {replicas} | {r['rps']:.0f} | "
                              f"{r['p50_us'] / 1e3:.2f} | {r['p99_us'] / 1e3:.2f} | {r['cpu_us']:.0f} | "
@@ -238,14 +268,16 @@ def main() -> int:
         reps = statistics.median(m[1] for m in memory[(kind, replicas)])
         mem.append(f"| {labels[kind]} | {replicas} | {total:.0f} | {reps:.0f} |" if kind != "service"
                    else f"| {labels[kind]} | 1 | {total:.0f} | - |")
-    legend = [f"- {name}: {text}" for name, (text, _) in work.items()]
+    legend = [f"- {name}: {text}" for name, (text, _) in work.items()] + [
+        f"- {name}: gRPC ModelInfer, W1's varied bodies (bench/pools.py; raw_input_contents), through Serve's gRPC "
+        "proxy" for name in grpc_rows]
     table = "\n".join(lines + mem)
     print(table)
     print("\n" + "\n".join(legend))
     print("\n" + "\n".join(f"- {k}: {', '.join(v)}" for k, v in timings.items()))
     if args.out:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = f"python bench/ray_serve.py --duration {args.duration:g} --repeat {args.repeat}"
+        command = " ".join(["python bench/ray_serve.py", *sys.argv[1:]])
         args.out.write_text(
             f"Run {stamp} on: {machine()}; ray 2.60.0.\n\nCommand: `{command}`; every server pinned to core 0 (for "
             f"Ray: the whole cluster), one ORT thread a replica, access log at info; wrk (1 thread) on core 1; "
