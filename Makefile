@@ -122,7 +122,7 @@ perf-analyzer: install  ## Triton's perf_analyzer against a fresh service (W2, a
 	bash bench/perf_analyzer.sh --protocol grpc --concurrency "1 2 4 8 16"
 	bash bench/perf_analyzer.sh --protocol grpc-stream --concurrency "1 2 4 8 16"
 
-bench-ray: install-ray $(REPOSITORY)  ## python -m service against Ray Serve (1 and 2 replicas, each ingress mode)
+bench-ray: install-ray $(REPOSITORY)  ## python -m service against Ray Serve (1 and 2 replicas, each ingress mode; gRPC through its proxy)
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) bench/ray_serve.py --duration 5 --repeat 3
 

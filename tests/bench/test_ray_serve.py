@@ -30,7 +30,7 @@ def test_every_row_is_served_through_http_and_grpc(repository, tmp_path):
             rows[cells[0], cells[2]] = cells
     servers = ("`python -m service`", "Serve, proxy (default)")
     assert sorted(rows) == sorted((w, s) for w in ("W1", "W3", "W1grpc") for s in servers), rows
-    for (workload, server), cells in rows.items():
+    for (_, server), cells in rows.items():
         assert cells[1] == "2" and cells[3] == "1", cells
         assert float(cells[4]) > 0 and cells[8] == "0", cells  # requests/s, errors
         assert float(cells[9]) == 1.0 if server == servers[0] else 0 < float(cells[9]), cells
