@@ -28,6 +28,9 @@ from tests.server import ROOT
 PREREQUISITES = {"python3", "make"}
 # Programs no make target installs, each with why the suite may still call it.
 ELSEWHERE = {"nvidia-smi": "the NVIDIA driver's: bench/run.py asks it the GPU's name only with --device cuda"}
+# Scripts the suite reads and never runs, each with why (their programs need not be on this machine).
+READ_ONLY = {"scripts/gpu_check.sh": "a lent GPU machine's checks: tests/bench/test_gpu_check.py parses it (bash -n, "
+                                     "the bench commands it names) and never runs it"}
 # Where a file the code names by a bare file name ("gc_cost.py", "v2_curl.sh") is looked for.
 SEARCHED = ("bench", "scripts", "docs", "tests")
 _PYTHON = object()  # sys.executable: the venv's interpreter, whose arguments are a module or a script
@@ -455,6 +458,8 @@ def programs_of_the_suite() -> dict[str, set[str]]:
             continue
         seen.add(path)
         where = path.relative_to(ROOT).as_posix()
+        if where in READ_ONLY:
+            continue
         if path.suffix == ".sh":
             for command in shell_commands(path.read_text()):
                 for program in unwrap(command):
@@ -564,6 +569,15 @@ def test_the_check_names_a_program_the_recipes_leave_out():
     without = "\n".join(line for line in dry_run.replace("\\\n", " ").splitlines() if "wrk" not in line)
     [problem] = unaccounted(programs, installed_by_make(without))
     assert problem.startswith("wrk (run by ") and "bench/loadgen.py" in problem, problem
+
+
+def test_each_read_only_script_is_one_the_suite_names():
+    """READ_ONLY holds no stale entry: each a script of the checkout a test names, its programs left out."""
+    named = {n for path in (ROOT / "tests").rglob("*.py") for n in _Module(path).named()}
+    programs = programs_of_the_suite()
+    for script in READ_ONLY:
+        assert (ROOT / script).is_file() and Path(script).name in {Path(n).name for n in named}, script
+        assert not any(script in where for where in programs.values()), script
 
 
 def test_the_programs_are_read_from_the_code():
