@@ -573,10 +573,10 @@ def test_the_check_names_a_program_the_recipes_leave_out():
 
 def test_each_read_only_script_is_one_the_suite_names():
     """READ_ONLY holds no stale entry: each a script of the checkout a test names, its programs left out."""
-    named = {n for path in (ROOT / "tests").rglob("*.py") for n in _Module(path).named()}
+    named = {Path(n).name for path in (ROOT / "tests").rglob("*.py") for n in _Module(path).named()}
     programs = programs_of_the_suite()
     for script in READ_ONLY:
-        assert (ROOT / script).is_file() and Path(script).name in {Path(n).name for n in named}, script
+        assert (ROOT / script).is_file() and Path(script).name in named, script
         assert not any(script in where for where in programs.values()), script
 
 
