@@ -95,7 +95,7 @@ test: install browser tools  ## lint, then the whole suite but the Ray tests, as
 	$(LINT)
 	$(PY) -m pytest -m "not ray"
 
-test-ray: install-ray  ## the Ray Serve tests (a local Ray cluster; `ray stop` afterwards)
+test-ray: install-ray tools  ## the Ray Serve tests (a local Ray cluster; `ray stop` afterwards; wrk for bench-ray's test)
 	$(PY) -m pytest -m ray
 
 lint: install

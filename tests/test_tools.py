@@ -549,9 +549,15 @@ needs_dpkg = pytest.mark.skipif(shutil.which("dpkg-query") is None,
 
 
 def test_make_test_runs_tools_and_browser_first():
+    """Every target that runs pytest makes `tools` first: `make test-ray` ran before `make test` in a fresh
+    machine's CI, and its bench test found no wrk."""
     makefile = (ROOT / "Makefile").read_text()
     prerequisites = re.search(r"^test:([^#\n]*)", makefile, re.M).group(1).split()
     assert {"install", "tools", "browser"} <= set(prerequisites), prerequisites
+    rules = re.findall(r"^([\w-]+):([^#\n]*).*\n((?:\t.*\n)+)", makefile, re.M)
+    runners = {target: deps.split() for target, deps, recipe in rules if "-m pytest" in recipe}
+    assert {"test", "test-ray"} <= set(runners), runners
+    assert all("tools" in deps for deps in runners.values()), runners
 
 
 @needs_dpkg
