@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.batching import BatchLimits
+from service.core.gpu import auto_workers, total_memory
 from service.core.request import RequestLimits
 
 
@@ -55,6 +56,16 @@ class Settings(BaseSettings):
     grpc_tls_key: Path | None = Field(None, validate_default=True)
     grpc_tls_client_ca: Path | None = None
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _auto_workers(cls, workers: Any, info: ValidationInfo) -> Any:
+        """auto: a number, the same in every process (python -m service hands its workers the number)."""
+        if not isinstance(workers, str) or workers.strip().lower() != "auto":
+            return workers
+        device = info.data.get("device", "auto")
+        gpu = None if device == "cpu" else total_memory("ATTEND_WORKERS=auto does not count the GPU's memory")
+        return auto_workers(usable_cores(), device, gpu)
+
     @field_validator("grpc_tls_key")
     @classmethod
     def _key_of_the_cert(cls, key: Path | None, info: ValidationInfo) -> Path | None:
@@ -76,7 +87,8 @@ class Settings(BaseSettings):
         return ca
     model_repository: Path = Path("model_repository")
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    workers: int = Field(1, ge=1, description="uvicorn worker processes")
+    workers: int = Field(1, ge=1, description="uvicorn worker processes; auto: one a usable core, on a GPU at most "
+                         "8 and as many as its memory holds (service.core.gpu.auto_workers)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     # ONNX Runtime. 0 = share the machine's cores among the workers.

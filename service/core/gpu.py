@@ -12,10 +12,16 @@ SHARE = 0.8
 # What a worker holds before any request: its CUDA context, its sessions and their warm-up's arenas
 # (`python bench/scaling.py` measures it: docs/benchmarks.md, "Many cores, one GPU"), with room above.
 WORKER_BYTES = 3 << 30
+# The least GPU memory budget a worker gets (device_budget), and what ATTEND_WORKERS=auto leaves each.
+MIN_BUDGET = 1 << 30
+# ATTEND_WORKERS=auto's most on one GPU: the most measured (8 CUDA contexts on a 16-core host, 4.3-6.6x one);
+# each context takes its turn on the GPU, so more serve small runs no faster.
+MAX_CUDA_WORKERS = 8
 
 
-def total_memory(device: int = 0) -> int | None:
-    """The GPU's memory in bytes, or None where NVML cannot tell (no nvidia-ml-py, no driver)."""
+def total_memory(otherwise: str | None = "ATTEND_MAX_DEVICE_BYTES is the only bound", device: int = 0) -> int | None:
+    """The GPU's memory in bytes, or None where NVML cannot tell (no nvidia-ml-py, no driver): where the library
+    is there, a warning says why and what follows (`otherwise`; None: no warning)."""
     try:
         import pynvml
     except ImportError:
@@ -27,8 +33,18 @@ def total_memory(device: int = 0) -> int | None:
         finally:
             pynvml.nvmlShutdown()
     except pynvml.NVMLError as e:
-        log.warning("cannot read the GPU's memory (NVML: %s): ATTEND_MAX_DEVICE_BYTES is the only bound", e)
+        log.log(logging.DEBUG if otherwise is None else logging.WARNING, "cannot read the GPU's memory (NVML: %s): %s",
+                e, otherwise)
         return None
+
+
+def auto_workers(cores: int, device: str, gpu_bytes: int | None) -> int:
+    """ATTEND_WORKERS=auto: one a core; on a GPU (NVML's `gpu_bytes` of memory, or ATTEND_DEVICE=cuda) at most
+    MAX_CUDA_WORKERS, and as many as SHARE of its memory holds, each with what it holds idle and the least budget."""
+    if device == "cpu" or (gpu_bytes is None and device != "cuda"):
+        return cores
+    fits = MAX_CUDA_WORKERS if gpu_bytes is None else int(gpu_bytes * SHARE) // (WORKER_BYTES + MIN_BUDGET)
+    return max(1, min(cores, MAX_CUDA_WORKERS, fits))
 
 
 def device_budget(setting: int, on_cuda: bool, workers: int) -> int:
@@ -37,4 +53,4 @@ def device_budget(setting: int, on_cuda: bool, workers: int) -> int:
     if setting or not on_cuda:
         return setting
     total = total_memory()
-    return max(int(total * SHARE) // workers - WORKER_BYTES, 1 << 30) if total else 0
+    return max(int(total * SHARE) // workers - WORKER_BYTES, MIN_BUDGET) if total else 0

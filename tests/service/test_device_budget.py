@@ -53,3 +53,38 @@ def test_a_run_over_the_device_budget_is_refused_before_it_runs_and_the_next_is_
 def test_without_the_setting_the_cpu_has_no_device_budget(client):
     assert client.app.state.dataplane.device_budget is None
     assert client.post("/attend", json=dot_product_body(128)).status_code == 200
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(("cores", "device", "gpu_gib", "workers"), [
+    (16, "cpu", None, 16),  # one a core
+    (16, "auto", None, 16),  # no GPU that NVML sees
+    (16, "cuda", None, 8),  # a GPU of unknown memory: the most measured
+    (16, "auto", 80, 8),  # an H100: 16 would fit, 8 is the most measured
+    (16, "auto", 24, 4),  # an L4: 19.2 GiB hold 4 x (3 + 1)
+    (16, "cuda", 16, 3),  # a T4: 8 would not even start
+    (4, "auto", 80, 4),  # fewer cores than the GPU holds
+    (16, "cuda", 4, 1),  # none fits: one all the same
+])
+def test_auto_workers_are_the_cores_and_what_the_gpu_holds(cores, device, gpu_gib, workers):
+    from service.core.gpu import MIN_BUDGET, SHARE, WORKER_BYTES, auto_workers
+
+    gpu = None if gpu_gib is None else gpu_gib * GIB
+    assert auto_workers(cores, device, gpu) == workers
+    if gpu is not None and workers > 1:  # each worker keeps at least the least budget: device_budget's floor holds
+        assert workers * (WORKER_BYTES + MIN_BUDGET) <= SHARE * gpu
+
+
+def test_workers_auto_is_a_number_in_the_settings(monkeypatch):
+    from pydantic import ValidationError
+
+    from service.config import Settings, get_settings, usable_cores
+
+    assert Settings(workers="auto", device="cpu").workers == usable_cores()
+    monkeypatch.setenv("ATTEND_WORKERS", " Auto ")
+    monkeypatch.setenv("ATTEND_DEVICE", "cpu")
+    assert get_settings().workers == usable_cores()
+    with pytest.raises(ValidationError, match="workers"):
+        Settings(workers="many")

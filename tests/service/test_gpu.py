@@ -187,6 +187,27 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
         assert client.app.state.dataplane.device_budget.used == 0
 
 
+def test_workers_auto_count_what_the_gpu_holds(cuda_registry, caplog):
+    """ATTEND_WORKERS=auto on this GPU: at most 8, each with what a worker holds and the least budget within 80%
+    of its memory; one worker more than that is warned of at the start (`python -m service`)."""
+    from service.__main__ import _warn_of_the_gpu_memory
+    from service.config import Settings, usable_cores
+    from service.core.gpu import MIN_BUDGET, SHARE, WORKER_BYTES, total_memory
+
+    total = total_memory()
+    assert total, "NVML must read the GPU's memory: nvidia-ml-py (the gpu extra)"
+    workers = Settings(workers="auto", device="cuda").workers
+    fits = int(total * SHARE) // (WORKER_BYTES + MIN_BUDGET)
+    assert workers == max(1, min(usable_cores(), 8, fits)), (workers, usable_cores(), total)
+    print(f"ATTEND_WORKERS=auto on {total / 2**30:.1f} GiB, {usable_cores()} cores: {workers}")
+    with caplog.at_level("WARNING", logger="service"):
+        if fits >= 2:  # what fits: no warning (one worker never warns)
+            _warn_of_the_gpu_memory(Settings(workers=fits, device="cuda"))
+            assert not caplog.records
+        _warn_of_the_gpu_memory(Settings(workers=fits + 1, device="cuda"))
+    assert "workers may fail to start" in caplog.text, caplog.text
+
+
 def test_the_timed_choice_on_cuda(repository):
     """The warm-up's timing (the service's default; 1 s a model here) on CUDA: the book's tiny additive request
     runs on a CPU session beside CUDA (small runs cost less there, and the shared GPU nothing), a long
