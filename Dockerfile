@@ -78,9 +78,12 @@ RUN python -m export --repository /models && chmod -R a+rX /models
 # ---------------------------------------------------------------- runtime (the default target): no torch
 FROM base AS runtime
 ARG ORT_EXTRAS=cuda,cudnn
-# "onnxruntime-gpu[]" (ORT_EXTRAS empty) adds nothing to the pinned requirement.
-RUN pip install -c requirements.lock -r /tmp/requirements.txt "onnxruntime-gpu[${ORT_EXTRAS}]" \
-    && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the runtime image" >&2; exit 1; fi
+# "onnxruntime-gpu[]" (ORT_EXTRAS empty) adds nothing to the pinned requirement. The GPU image also takes
+# nvidia-ml-py (pyproject's gpu extra): through NVML the service reads the GPU's memory, which sizes
+# ATTEND_MAX_DEVICE_BYTES's default and ATTEND_WORKERS=auto (without it: no GPU budget, and 8 workers).
+RUN pip install -c requirements.lock -r /tmp/requirements.txt "onnxruntime-gpu[${ORT_EXTRAS}]" ${ORT_EXTRAS:+nvidia-ml-py} \
+    && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the runtime image" >&2; exit 1; fi \
+    && if [ -n "${ORT_EXTRAS}" ]; then python -c "import pynvml"; fi
 COPY --from=export /models /models
 # The service reads export/repository.py (torch-free); the exporter modules are not imported.
 COPY export ./export

@@ -5,8 +5,8 @@
 #
 #   site/   onnxruntime-gpu 1.31.1 (its CUDA provider and Python binding: not the TensorRT provider, the
 #           C API library or the transformers and quantization tools, which the service does not load),
-#           the runtime dependencies at requirements.lock's versions, and tritonclient (the gRPC rows'
-#           encoder); for cp312 on manylinux x86-64
+#           the runtime dependencies at requirements.lock's versions, nvidia-ml-py (the gpu extra's) and
+#           tritonclient (the gRPC rows' encoder); for cp312 on manylinux x86-64
 #   tools/  wrk and its LuaJIT; with PERF_ANALYZER=1, perf_analyzer with its Debian 13 loader and
 #           libraries, as bench/perf_analyzer.sh unpacked them (run `make perf-analyzer` once first)
 #
@@ -39,6 +39,7 @@ pin() { grep -i "^$1==" requirements.lock; }
 # The runtime's dependencies (every one pinned by the lock) and the gRPC rows' encoder.
 "$PY" scripts/lock.py requirements | grep -v -e '^onnxruntime' -e '^numpy' >"$WORK/requirements.txt"
 echo "$(pin tritonclient)" >>"$WORK/requirements.txt"
+echo "$(pin nvidia-ml-py)" >>"$WORK/requirements.txt"  # NVML: the GPU's memory (the device budget, ATTEND_WORKERS=auto)
 echo "$(pin python-rapidjson)" >>"$WORK/requirements.txt"
 python3 -m pip download -q "${platform[@]}" -c requirements.lock -r "$WORK/requirements.txt" -d "$WORK/wheels" 2>&1 \
     | grep -v "is ignored" >&2 || true

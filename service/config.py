@@ -63,7 +63,9 @@ class Settings(BaseSettings):
         if not isinstance(workers, str) or workers.strip().lower() != "auto":
             return workers
         device = info.data.get("device", "auto")
-        gpu = None if device == "cpu" else total_memory("ATTEND_WORKERS=auto does not count the GPU's memory")
+        # On "auto" a machine without a GPU is no reason to warn.
+        gpu = None if device == "cpu" else total_memory(
+            "ATTEND_WORKERS=auto does not count the GPU's memory" if device == "cuda" else None)
         return auto_workers(usable_cores(), device, gpu)
 
     @field_validator("grpc_tls_key")

@@ -19,12 +19,17 @@ MIN_BUDGET = 1 << 30
 MAX_CUDA_WORKERS = 8
 
 
-def total_memory(otherwise: str | None = "ATTEND_MAX_DEVICE_BYTES is the only bound", device: int = 0) -> int | None:
-    """The GPU's memory in bytes, or None where NVML cannot tell (no nvidia-ml-py, no driver): where the library
-    is there, a warning says why and what follows (`otherwise`; None: no warning)."""
+NO_BUDGET = "no GPU memory budget unless ATTEND_MAX_DEVICE_BYTES is set"
+
+
+def total_memory(otherwise: str | None = NO_BUDGET, device: int = 0) -> int | None:
+    """The GPU's memory in bytes, or None where NVML cannot tell (no nvidia-ml-py, no driver): a warning says why
+    and what follows (`otherwise`; None: no warning)."""
     try:
         import pynvml
     except ImportError:
+        if otherwise is not None:
+            log.warning("cannot read the GPU's memory (nvidia-ml-py is not installed: the gpu extra): %s", otherwise)
         return None
     try:
         pynvml.nvmlInit()

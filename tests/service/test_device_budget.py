@@ -88,3 +88,19 @@ def test_workers_auto_is_a_number_in_the_settings(monkeypatch):
     assert get_settings().workers == usable_cores()
     with pytest.raises(ValidationError, match="workers"):
         Settings(workers="many")
+
+
+def test_a_gpu_memory_that_cannot_be_read_is_said(caplog):
+    """Without NVML (no nvidia-ml-py, no driver) the log says so and what follows: the GPU image lacked the
+    library, and its budget was off without a word."""
+    from service.core.gpu import total_memory
+
+    with caplog.at_level("DEBUG", logger="service"):
+        total = total_memory(None)
+        if total is not None:
+            pytest.skip("NVML reads a GPU here: tests/service/test_gpu.py checks what follows")
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        assert total_memory() is None
+    [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.getMessage().startswith("cannot read the GPU's memory (")
+    assert warning.getMessage().endswith("): no GPU memory budget unless ATTEND_MAX_DEVICE_BYTES is set")
