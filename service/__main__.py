@@ -105,7 +105,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
     configure_logging(settings.log_level)
     if os.environ.get("ATTEND_WORKERS", "").strip().lower() == "auto":
         os.environ["ATTEND_WORKERS"] = str(settings.workers)  # the start's check and the workers read the number
-        log.info("ATTEND_WORKERS=auto: %d workers (%d usable cores)", settings.workers, usable_cores())
+        gpu = None if settings.device == "cpu" else total_memory(None)
+        log.info("ATTEND_WORKERS=auto: %d workers (%d usable cores%s)", settings.workers, usable_cores(),
+                 "" if gpu is None else f"; a GPU of {gpu / 2**30:.1f} GiB")
     threads = settings.resolved_intra_op_threads()
     if settings.intra_op_threads > threads:
         log.warning("ATTEND_INTRA_OP_THREADS=%d is more than the cores this process may use (%d): %d threads a run",
