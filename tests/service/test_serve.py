@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
 from service.config import Settings
+from service.core import cost
 from service.core.runtime import Registry
 from service.http.app import create_app
 from service.http.schemas import toy_request
@@ -40,6 +41,17 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 KINDS = ("dot_product", "additive", "multi_head", "self_attention")
 CONFIGS = [ROOT / "deploy" / "ray" / "serve.yaml", ROOT / "deploy" / "ray" / "cluster.yaml"]
+
+
+def image_env() -> dict[str, str]:
+    """The ENV of the attend-ray image (deploy/ray/Dockerfile): what `ray start` runs with in its pods."""
+    text = (ROOT / "deploy" / "ray" / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.split()[1:] for line in text.splitlines() if line.startswith("ENV ")]
+    return dict(pair.split("=", 1) for line in lines for pair in line)
+
+
+# What Serve's gRPC proxy takes (and sends) at most, as in the image; the local Ray below runs with it.
+PROXY_LIMIT = int(image_env()["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"])
 
 
 @contextlib.contextmanager
@@ -56,6 +68,9 @@ def on_serve(env: dict[str, str], replicas: int, grpc_port: int | None = None, *
     # Ray puts the driver's working directory on its workers' sys.path: the replicas import `service` from here.
     cwd = os.getcwd()
     os.chdir(ROOT)
+    # Read by Serve's proxies, which the local Ray's processes start with this process's environment.
+    before = os.environ.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE")
+    os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(PROXY_LIMIT)
     for attempt in (1, 2):
         try:
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -81,6 +96,10 @@ def on_serve(env: dict[str, str], replicas: int, grpc_port: int | None = None, *
         finally:
             ray.shutdown()
             os.chdir(cwd)
+            if before is None:
+                os.environ.pop("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE")
+            else:
+                os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = before
 
 
 GRPC_PORT = free_port()
@@ -167,6 +186,13 @@ def test_the_config_files_are_valid_serve_configs():
         "port": 8001, "grpc_servicer_functions": [module.GRPC_SERVICER]}] * 2
     servicer = pb_grpc.GRPCInferenceServiceServicer
     assert all(callable(getattr(servicer, name)) for name in module.GRPC_CALLS)
+    # The image's proxy limit takes a body twice the default limit, and sends every answer the replicas' budget
+    # lets them make: an answer's number is 4 bytes on the wire and counted at least this many in the budget.
+    assert PROXY_LIMIT >= 2 * Settings().max_body_bytes
+    counted = min(cost._PER_OUTPUT, cost._PER_WEIGHT)
+    for config in configs[1:]:
+        budget = int(config["applications"][0]["runtime_env"]["env_vars"]["ATTEND_MAX_INFLIGHT_BYTES"])
+        assert budget * 4 // counted <= PROXY_LIMIT, (budget, PROXY_LIMIT)
 
 
 def test_every_kind_gives_the_numbers_of_the_app_in_process(serve_url, repository):
@@ -240,6 +266,11 @@ def test_grpc_through_serves_proxy_gives_the_apps_numbers_and_errors(serve_url, 
             channel.unary_unary("/inference.GRPCInferenceService/LogSettings")(bytes(100_000))
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert error.value.details().startswith("LogSettings's message has 100000 bytes; the limit is 65536")
+        # Past the image's limit the proxy reads no further (Ray's default took 2 GiB a message).
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ModelInfer(pb.ModelInferRequest(model_name="additive", raw_input_contents=[bytes(PROXY_LIMIT)]))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value
+        assert str(PROXY_LIMIT) in error.value.details(), error.value.details()
         assert stub.ServerLive(pb.ServerLiveRequest()).live
 
 
