@@ -105,8 +105,9 @@ class MessageCheck:
     """What a method's message may cost before protobuf parses it: a control call's at most 64 KiB, and a
     large one walked first (service.grpc.wire)."""
 
-    def __init__(self, max_message_bytes: int):
+    def __init__(self, max_message_bytes: int, setting: str = "ATTEND_MAX_BODY_BYTES"):
         self.max_message_bytes = max_message_bytes
+        self.setting = setting  # the limit's name, in the refusal
         self.schemas: dict[str, dict[int, Any]] = {}  # each method's request message, by name
 
     def add(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
@@ -121,7 +122,7 @@ class MessageCheck:
                                   "(a control call's limit)", expected=CONTROL_BODY_BYTES, received=len(message))
         if len(message) <= wire.SCAN_BYTES:
             return len(message)
-        return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes)
+        return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes, self.setting)
 
 
 def not_a_message(name: str) -> InvalidRequest:

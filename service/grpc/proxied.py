@@ -23,16 +23,24 @@ class Refused:
 def add_servicer(servicer: Any, server: Any) -> None:
     """GRPC_SERVICER: the generated registration, each request checked before it is parsed, as
     `python -m service`'s guard checks it (service.grpc.guard.MessageCheck): Serve's proxy parses each
-    request (up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, 2 GiB), and 32 MiB of empty inputs took 2.1 s and 1.3 GiB.
-    The replica's own limits bound the rest: no parsed-size limit here (the proxy has no ATTEND_* settings)."""
+    request, and 32 MiB of empty inputs took 2.1 s and 1.3 GiB. Its packed integers may take parsed what the
+    proxy takes on the wire (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: the proxy has no ATTEND_* settings), not 8 times
+    that; the replica's own limits bound the rest."""
     taken = guard.Handlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, taken)
-    check = guard.MessageCheck(1 << 62)
+    check = guard.MessageCheck(_proxy_limit(), "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE")
     check.add(taken.handlers)
     handlers = {name: handler._replace(request_deserializer=_checked(check, name, handler.request_deserializer))
                 for name, handler in taken.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
     server.add_registered_method_handlers(taken.service, handlers)
+
+
+def _proxy_limit() -> int:
+    """What Serve's gRPC proxy takes a message, as Ray reads it (ray.serve._private.constants)."""
+    from ray.serve._private.constants import RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+
+    return int(RAY_SERVE_GRPC_MAX_MESSAGE_SIZE)
 
 
 def _checked(check: guard.MessageCheck, name: str, deserialize: Any) -> Any:

@@ -49,16 +49,17 @@ def schema(descriptor: Descriptor, made: dict[str, dict[int, _Field]] | None = N
     return fields
 
 
-def parsed_bytes(message: bytes, fields: dict[int, _Field], limit: int) -> int:
+def parsed_bytes(message: bytes, fields: dict[int, _Field], limit: int,
+                 setting: str = "ATTEND_MAX_BODY_BYTES") -> int:
     """The bytes `message` takes parsed (itself, and what its packed varints grow to); raises InvalidRequest
-    past MAX_FIELDS fields, PayloadTooLarge over `limit` (ATTEND_MAX_BODY_BYTES), DecodeError where it is not
+    past MAX_FIELDS fields, PayloadTooLarge over `limit` (the `setting`'s), DecodeError where it is not
     a message."""
     walk = _Walk(message)
     walk.message(0, len(message), fields, "")
     size = len(message) + walk.grown
     if size > limit:
         raise PayloadTooLarge(f"the message would take {size} bytes parsed (its packed integers grow, most at "
-                              f"{walk.widest}), over the limit of {limit} (ATTEND_MAX_BODY_BYTES): send the "
+                              f"{walk.widest}), over the limit of {limit} ({setting}): send the "
                               "tensors in raw_input_contents", field=walk.widest, expected=limit, received=size)
     return size
 

@@ -271,6 +271,14 @@ def test_grpc_through_serves_proxy_gives_the_apps_numbers_and_errors(serve_url, 
             stub.ModelInfer(pb.ModelInferRequest(model_name="additive", raw_input_contents=[bytes(PROXY_LIMIT)]))
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value
         assert str(PROXY_LIMIT) in error.value.details(), error.value.details()
+        # Nor does it parse more than that: packed integers of a byte each grow 8 times (the proxy's limit, not
+        # ATTEND_MAX_BODY_BYTES, which the proxy does not have).
+        grows = pb.ModelInferRequest(model_name="additive", inputs=[pb.ModelInferRequest.InferInputTensor(
+            name="queries", datatype="FP32", shape=[1] * (PROXY_LIMIT // 7))])
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ModelInfer(grows)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value
+        assert "(RAY_SERVE_GRPC_MAX_MESSAGE_SIZE)" in error.value.details(), error.value.details()
         assert stub.ServerLive(pb.ServerLiveRequest()).live
 
 
