@@ -40,12 +40,13 @@ from service.config import (
     Settings,
     UnknownSetting,
     get_settings,
+    is_auto,
     memory_limit,
     usable_cores,
 )
 from service.core import tracing
 from service.core.dataplane import load_registry
-from service.core.gpu import MIN_BUDGET, SHARE, WORKER_BYTES, auto_workers, total_memory
+from service.core.gpu import MIN_BUDGET, SHARE, WORKER_BYTES, auto_workers, holds, total_memory
 from service.core.logs import configure_logging
 from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
@@ -103,9 +104,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         print(f"cannot start: {_one_line(e)}", file=sys.stderr)
         return 1
     configure_logging(settings.log_level)
-    if os.environ.get("ATTEND_WORKERS", "").strip().lower() == "auto":
+    gpu = None if settings.device == "cpu" else total_memory(None)
+    if is_auto(os.environ.get("ATTEND_WORKERS")):
         os.environ["ATTEND_WORKERS"] = str(settings.workers)  # the start's check and the workers read the number
-        gpu = None if settings.device == "cpu" else total_memory(None)
         log.info("ATTEND_WORKERS=auto: %d workers (%d usable cores%s)", settings.workers, usable_cores(),
                  "" if gpu is None else f"; a GPU of {gpu / 2**30:.1f} GiB")
     threads = settings.resolved_intra_op_threads()
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
         log.warning("ATTEND_WORKERS=%d is more than the cores this process may use (%d): the workers take turns on "
                     "them, each holding every model", settings.workers, usable_cores())
     _warn_of_the_memory_limit(settings)
-    _warn_of_the_gpu_memory(settings)
+    _warn_of_the_gpu_memory(settings, gpu)
     release_memory_eagerly()  # before the first large allocation
     with contextlib.ExitStack() as folders:
         try:
@@ -164,16 +165,16 @@ def _warn_of_the_memory_limit(settings: Settings) -> None:
                 BUDGET_FACTOR, settings.max_inflight_bytes / mib, fix)
 
 
-def _warn_of_the_gpu_memory(settings: Settings) -> None:
-    """Workers past what the GPU holds fail to start, or run out of its memory later (service.core.gpu)."""
-    total = None if settings.device == "cpu" or settings.workers == 1 else total_memory(None)
-    if total is None or settings.workers * (WORKER_BYTES + MIN_BUDGET) <= total * SHARE:
+def _warn_of_the_gpu_memory(settings: Settings, gpu: int | None) -> None:
+    """Workers past what the GPU (`gpu` bytes, NVML's) holds fail to start, or run out of its memory later
+    (service.core.gpu)."""
+    if gpu is None or settings.workers == 1 or settings.workers <= holds(gpu):
         return
     gib = 2**30
     log.warning("ATTEND_WORKERS=%d x (%.0f GiB a CUDA worker holds + a budget of %.0f GiB) is more than %.0f%% of "
                 "the GPU's %.1f GiB: workers may fail to start or run out of its memory; ATTEND_WORKERS=auto runs %d",
-                settings.workers, WORKER_BYTES / gib, MIN_BUDGET / gib, SHARE * 100, total / gib,
-                auto_workers(usable_cores(), settings.device, total))
+                settings.workers, WORKER_BYTES / gib, MIN_BUDGET / gib, SHARE * 100, gpu / gib,
+                auto_workers(usable_cores(), settings.device, gpu))
 
 
 def _one_line(error: Exception) -> str:

@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     @classmethod
     def _auto_workers(cls, workers: Any, info: ValidationInfo) -> Any:
         """auto: a number, the same in every process (python -m service hands its workers the number)."""
-        if not isinstance(workers, str) or workers.strip().lower() != "auto":
+        if not is_auto(workers):
             return workers
         device = info.data.get("device", "auto")
         # On "auto" a machine without a GPU is no reason to warn.
@@ -221,6 +221,11 @@ class Settings(BaseSettings):
 
     def resolved_inference_threads(self) -> int:
         return self.inference_threads or min(2, self.cores())
+
+
+def is_auto(value: object) -> bool:
+    """ATTEND_WORKERS=auto, as the environment may spell it."""
+    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 _CGROUPS, _OWN_CGROUPS = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")

@@ -42,13 +42,17 @@ def total_memory(otherwise: str | None = NO_BUDGET, device: int = 0) -> int | No
         return None
 
 
+def holds(gpu_bytes: int) -> int:
+    """The CUDA workers SHARE of a GPU's memory holds, each with what it holds idle and the least budget."""
+    return int(gpu_bytes * SHARE) // (WORKER_BYTES + MIN_BUDGET)
+
+
 def auto_workers(cores: int, device: str, gpu_bytes: int | None) -> int:
     """ATTEND_WORKERS=auto: one a core; on a GPU (NVML's `gpu_bytes` of memory, or ATTEND_DEVICE=cuda) at most
-    MAX_CUDA_WORKERS, and as many as SHARE of its memory holds, each with what it holds idle and the least budget."""
+    MAX_CUDA_WORKERS, and as many as it holds."""
     if device == "cpu" or (gpu_bytes is None and device != "cuda"):
         return cores
-    fits = MAX_CUDA_WORKERS if gpu_bytes is None else int(gpu_bytes * SHARE) // (WORKER_BYTES + MIN_BUDGET)
-    return max(1, min(cores, MAX_CUDA_WORKERS, fits))
+    return max(1, min(cores, MAX_CUDA_WORKERS, MAX_CUDA_WORKERS if gpu_bytes is None else holds(gpu_bytes)))
 
 
 def device_budget(setting: int, on_cuda: bool, workers: int) -> int:

@@ -202,9 +202,9 @@ def test_workers_auto_count_what_the_gpu_holds(cuda_registry, caplog):
     print(f"ATTEND_WORKERS=auto on {total / 2**30:.1f} GiB, {usable_cores()} cores: {workers}")
     with caplog.at_level("WARNING", logger="service"):
         if fits >= 2:  # what fits: no warning (one worker never warns)
-            _warn_of_the_gpu_memory(Settings(workers=fits, device="cuda"))
+            _warn_of_the_gpu_memory(Settings(workers=fits, device="cuda"), total)
             assert not caplog.records
-        _warn_of_the_gpu_memory(Settings(workers=fits + 1, device="cuda"))
+        _warn_of_the_gpu_memory(Settings(workers=fits + 1, device="cuda"), total)
     assert "workers may fail to start" in caplog.text, caplog.text
 
 
