@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     def _auto_workers(cls, workers: Any, info: ValidationInfo) -> Any:
         """auto: a number, the same in every process (python -m service hands its workers the number)."""
         if not is_auto(workers):
+            if isinstance(workers, str) and not workers.strip().isdigit():
+                raise ValueError("a number of processes (1 or more), or auto")
             return workers
         device = info.data.get("device", "auto")
         # On "auto" a machine without a GPU is no reason to warn.

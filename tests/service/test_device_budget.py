@@ -88,6 +88,8 @@ def test_workers_auto_is_a_number_in_the_settings(monkeypatch):
     assert Settings().workers == usable_cores()  # from the environment (get_settings keeps its first)
     with pytest.raises(ValidationError, match="workers"):
         Settings(workers="many")
+    with pytest.raises(ValidationError, match=r"a number of processes \(1 or more\), or auto"):
+        Settings(workers="auto<script>")
 
 
 def test_a_gpu_memory_that_cannot_be_read_is_said(caplog):
