@@ -3,13 +3,15 @@
 # (at most 9 minutes): what ONNX Runtime sees there, the gpu-marked tests and the files their services wrote
 # (for a read-only root), the long-sequence table (bench/longseq.py: model.onnx against the fused graph and its
 # fp16 form, outputs only), the scaling sweep
-# (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside)
-# and the engine's (bench/engine.py: a session a worker against one engine process owning the GPU).
+# (bench/scaling.py: 1 to 8 worker processes, CUDA and the CPU execution provider, the plain server beside),
+# the engine's (bench/engine.py: a session a worker against one engine process owning the GPU) and what one
+# worker holds (bench/worker_memory.py: the GPU memory of a worker as served, and with each candidate change).
 # Each step's output goes to OUT/<step>.txt, its exit status to OUT/summary.txt, the benches' results to
 # OUT/*.json. Back on a development machine, copy each to docs/ and write its tables:
 #   python bench/scaling.py --report --results docs/scaling.json --out docs/benchmarks.md
 #   python bench/longseq.py --report --results docs/benchmarks-longseq-cuda.json --out docs/benchmarks.md
 #   python bench/engine.py --report --results docs/engine-cuda.json --out docs/benchmarks.md
+#   python bench/worker_memory.py --report --results docs/worker-memory-cuda.json --out docs/benchmarks.md
 #
 #   scripts/gpu_check.sh [OUT]     (default: gpu-check)
 #
@@ -61,5 +63,7 @@ step scaling 270 "$PY" bench/scaling.py --device both --processes 1,2,4,8 --budg
     --repository "$REPOSITORY" --results "$OUT/scaling.json"
 step engine 100 "$PY" bench/engine.py --device cuda --processes 1,8 --concurrency 64 --seconds 2 \
     --repository "$REPOSITORY" --results "$OUT/engine.json"
+step memory 85 "$PY" bench/worker_memory.py --device cuda --timeout 25 --budget 75 \
+    --repository "$REPOSITORY" --results "$OUT/worker-memory-cuda.json"
 cat "$OUT/summary.txt"
 exit $status

@@ -59,7 +59,8 @@ def test_each_bench_command_parses(argv, monkeypatch, capsys):
 def test_the_script_runs_each_bench_and_names_each_report():
     runs = sorted(argv[0] for argv in commands() if "--report" not in argv)
     reports = sorted(argv[0] for argv in commands() if "--report" in argv)
-    assert runs == reports == ["bench/engine.py", "bench/longseq.py", "bench/scaling.py"], (runs, reports)
+    assert runs == reports == ["bench/engine.py", "bench/longseq.py", "bench/scaling.py",
+                                   "bench/worker_memory.py"], (runs, reports)
 
 
 def test_its_gpu_tests_are_collected():
