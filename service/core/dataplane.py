@@ -192,6 +192,8 @@ class Dataplane:
         if device_limit:
             self.device_budget = Budget(device_limit, "ATTEND_MAX_DEVICE_BYTES", "GPU memory" if on_cuda else
                                         "the execution provider's memory")
+            device = self.device_budget
+            self.metrics.track_device(lambda: device.used, device.limit)
         threads = settings.resolved_inference_threads()
         self.scheduler = Scheduler([registry.get(n) for n in registry.names()], settings.batch_limits(), threads,
                                    self.metrics)

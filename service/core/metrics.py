@@ -163,6 +163,9 @@ class Metrics:
             GCCollector(registry=self.registry)
             self.registry.register(_Frozen())
         self._used: Callable[[], float] | None = None
+        # The GPU memory budget (ATTEND_MAX_DEVICE_BYTES), where there is one (track_device).
+        self.device_bytes: Gauge | None = None
+        self._device_used: Callable[[], float] | None = None
         self._models: dict[str, ModelMetrics] = {}
 
     def model_loaded(self, name: str, result: str) -> None:
@@ -207,11 +210,31 @@ class Metrics:
         else:
             self.inflight_bytes.set_function(used)
 
+    def track_device(self, used: Callable[[], float], budget: int) -> None:
+        """The budget of the runs' GPU memory (ATTEND_MAX_DEVICE_BYTES) and what the requests in flight hold of
+        it, as track_limits does the in-flight bytes; exported only where there is such a budget."""
+        if self.device_bytes is None:  # a second dataplane on these metrics (tests): the same gauges
+            self.device_bytes = Gauge("attend_device_bytes", "Bytes of the GPU's memory (of the execution provider's) "
+                                      "the runs of the requests in flight are counted to take, against "
+                                      "ATTEND_MAX_DEVICE_BYTES (per worker: pid label)",
+                                      registry=self.registry, multiprocess_mode="liveall")
+            self.device_bytes_limit = Gauge("attend_device_bytes_limit", "ATTEND_MAX_DEVICE_BYTES: the budget of "
+                                            "the runs' GPU memory (per worker: pid label)", registry=self.registry,
+                                            multiprocess_mode="liveall")
+        self.device_bytes_limit.set(budget)
+        if MULTIPROCESS:
+            self._device_used = used
+            self.sample()
+        else:
+            self.device_bytes.set_function(used)
+
     def sample(self) -> bool:
         """Multiprocess mode: write what is read at scrape time otherwise (False: nothing to write)."""
         if self._used is None:
             return False
         self.inflight_bytes.set(self._used())
+        if self._device_used is not None:
+            self.device_bytes.set(self._device_used())  # type: ignore[union-attr]
         return True
 
     def request_started(self) -> None:

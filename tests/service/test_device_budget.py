@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.core.cost import device_run
 from service.http.app import create_app
@@ -50,9 +51,23 @@ def test_a_run_over_the_device_budget_is_refused_before_it_runs_and_the_next_is_
     assert app.state.dataplane.device_budget.used == 0  # given back
 
 
+def test_the_device_budget_is_exported_and_read_at_scrape_time(budgeted):
+    client, limit = budgeted
+    budget = client.app.state.dataplane.device_budget
+    families = {f.name: f.samples for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert [s.value for s in families["attend_device_bytes_limit"]] == [limit]
+    assert [s.value for s in families["attend_device_bytes"]] == [0]  # nothing in flight between requests
+    budget.used = 4321
+    try:
+        assert "\nattend_device_bytes 4321.0\n" in client.get("/metrics").text
+    finally:
+        budget.used = 0
+
+
 def test_without_the_setting_the_cpu_has_no_device_budget(client):
     assert client.app.state.dataplane.device_budget is None
     assert client.post("/attend", json=dot_product_body(128)).status_code == 200
+    assert "attend_device_bytes" not in client.get("/metrics").text  # no budget, no gauges
 
 
 GIB = 1 << 30

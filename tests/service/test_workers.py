@@ -48,7 +48,8 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
     started = time.monotonic()
     with running_service(repository, timeout=180, log_path=log_path, ATTEND_WORKERS="2", ATTEND_LOG_LEVEL="info",
                          ATTEND_INTRA_OP_THREADS="1", ATTEND_GRACE_PERIOD_S="60",
-                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, proc):  # 12 requests of ~70 MB at once
+                         ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30),  # 12 requests of ~70 MB at once
+                         ATTEND_MAX_DEVICE_BYTES=str(3 << 30)) as (url, proc):
         # Both workers up (the supervisor starts them one after the other): the second was up within 2 s of
         # the first here; it may take as long again as the whole start took on this machine now (30 s at least).
         first = time.monotonic() - started
@@ -68,14 +69,18 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
                   for m in scrapes[:1] for pid in worker_pids(url)]
         assert sum(served) == n and all(s > 0 for s in served), served  # both workers served some
         # What is one process's and cannot be summed carries its pid: the process metrics of both workers
-        # and of their supervisor (the process started), each worker's in-flight budget.
+        # and of their supervisor (the process started), each worker's in-flight and device budgets.
         pids = worker_pids(url)
         for name, expected in (("process_resident_memory_bytes", pids | {proc.pid}),
                                ("process_open_fds", pids | {proc.pid}), ("attend_inflight_bytes_limit", pids),
-                               ("attend_inflight_bytes", pids)):
+                               ("attend_inflight_bytes", pids), ("attend_device_bytes_limit", pids),
+                               ("attend_device_bytes", pids)):
             found = {int(p) for p in re.findall(rf'^{name}\{{pid="(\d+)"\}}', scrapes[0], re.M)}
             assert found == expected, (name, found, expected)
-        assert counter(scrapes[0], "attend_inflight_bytes_limit", pid=str(min(pids))) == 4 << 30
+        for pid in pids:
+            assert counter(scrapes[0], "attend_inflight_bytes_limit", pid=str(pid)) == 4 << 30
+            assert counter(scrapes[0], "attend_device_bytes_limit", pid=str(pid)) == 3 << 30
+            assert counter(scrapes[0], "attend_device_bytes", pid=str(pid)) == 0  # nothing in flight
 
         # SIGHUP: each worker loads what changed (nothing here) and keeps serving, pids unchanged.
         pids = worker_pids(url)
