@@ -160,6 +160,7 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
     """On CUDA the default ATTEND_MAX_DEVICE_BYTES is a share of the GPU's memory (NVML); a request whose run
     would pass a smaller one is a 413 naming the setting, before it runs, and the next request is served."""
     from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
 
     from service.config import Settings
     from service.core.gpu import SHARE, WORKER_BYTES, total_memory
@@ -173,6 +174,10 @@ def test_the_gpu_budget_refuses_a_run_before_it_runs_and_serves_the_next(cuda_re
     settings = Settings(model_repository=repository, device="cuda", intra_op_threads=1, graph_timing_s=0)
     with TestClient(create_app(settings)) as client:
         assert client.app.state.dataplane.device_budget.limit == int(total * SHARE) - WORKER_BYTES
+        families = {f.name: [s.value for s in f.samples]  # the default budget exported, nothing in flight
+                    for f in text_string_to_metric_families(client.get("/metrics").text)}
+        assert families["attend_device_bytes_limit"] == [int(total * SHARE) - WORKER_BYTES]
+        assert families["attend_device_bytes"] == [0]
     limited = settings.model_copy(update={"max_device_bytes": run_bytes(64)})
     with TestClient(create_app(limited)) as client:
         refused = client.post("/attend", json=dot_product_body(128))
