@@ -13,6 +13,8 @@ Each configuration runs in a process of its own, changing only what it names:
                      sessions use already for the CPU's: service.core.sessions)
   shrink             after the runs, each CUDA session gives its arena's free regions back
                      (memory.enable_memory_arena_shrinkage gpu:0), as the CPU's do after warm-up
+  no-cuda-outputs    no CUDA session of the graphs without weights (model.cuda.outputs.onnx): one CUDA session
+                     a model fewer, to tell what one costs
 
 Memory, MiB: resident (VmRSS) always; on CUDA the GPU's used memory (cudaMemGetInfo) less what it was
 before the process started, so a worker's CUDA context counts. Read after the load (warm-up included) and
@@ -43,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.longseq import machine  # noqa: E402
 
-CONFIGS = ["served", "one-thread", "same-as-requested", "shared-arena", "shrink"]
-CUDA_ONLY = {"same-as-requested", "shared-arena", "shrink"}
+CONFIGS = ["served", "one-thread", "same-as-requested", "shared-arena", "shrink", "no-cuda-outputs"]
+CUDA_ONLY = {"same-as-requested", "shared-arena", "shrink", "no-cuda-outputs"}
 
 
 def resident_mib() -> float:
@@ -108,6 +110,15 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         import service.core.runtime as runtime
 
         runtime.providers_for = providers_for
+    if config == "no-cuda-outputs":
+        from export.repository import ModelConfig
+
+        with_outputs = ModelConfig.graph_without_weights
+
+        def cpu_only(self: ModelConfig, cpu: bool = True) -> tuple[str, str, int] | None:
+            return with_outputs(self, cpu) if cpu else None
+
+        ModelConfig.graph_without_weights = cpu_only  # type: ignore[method-assign]
     if config == "shared-arena":  # the sessions' options ask for the environment's allocators already
         info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator_v2(sessions.CUDA, info, {"device_id": "0"},
