@@ -80,7 +80,8 @@ FROM base AS runtime
 ARG ORT_EXTRAS=cuda,cudnn
 # "onnxruntime-gpu[]" (ORT_EXTRAS empty) adds nothing to the pinned requirement. The GPU image also takes
 # nvidia-ml-py (pyproject's gpu extra): through NVML the service reads the GPU's memory, which sizes
-# ATTEND_MAX_DEVICE_BYTES's default and ATTEND_WORKERS=auto (without it: no GPU budget, and 8 workers).
+# ATTEND_MAX_DEVICE_BYTES's default and ATTEND_WORKERS=auto (without it: no GPU budget, and with
+# ATTEND_DEVICE=cuda 8 workers, whatever the GPU holds).
 RUN pip install -c requirements.lock -r /tmp/requirements.txt "onnxruntime-gpu[${ORT_EXTRAS}]" ${ORT_EXTRAS:+nvidia-ml-py} \
     && if python -c "import torch" 2>/dev/null; then echo "torch must not be in the runtime image" >&2; exit 1; fi \
     && if [ -n "${ORT_EXTRAS}" ]; then python -c "import pynvml"; fi

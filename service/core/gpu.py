@@ -14,7 +14,7 @@ SHARE = 0.8
 WORKER_BYTES = 3 << 30
 # The least GPU memory budget a worker gets (device_budget), and what ATTEND_WORKERS=auto leaves each.
 MIN_BUDGET = 1 << 30
-# ATTEND_WORKERS=auto's most on one GPU: the most measured (8 CUDA contexts on a 16-core host, 4.3-6.6x one);
+# ATTEND_WORKERS=auto's most on one GPU: the most measured (8 CUDA contexts on a 16-core host, 4.1-6.6x one);
 # each context takes its turn on the GPU, so more serve small runs no faster.
 MAX_CUDA_WORKERS = 8
 # What follows where the GPU's memory cannot be read, and ATTEND_MAX_DEVICE_BYTES is 0.
