@@ -15,7 +15,8 @@
 #      Prometheus' HTTP API must show the attend target up, the rule groups of
 #      deploy/prometheus/alerts.yml loaded, and a query answering with the service's series; a
 #      graceful stop (exit code 0); started again, stopped while its models load (exit code 143, at once);
-#      down
+#      a model that the image's export stage writes into a folder of the host, served from it (a read-only
+#      bind mount at /models), and its next version exported there served without a restart; down
 #
 # Every phase is timed. Whatever happens, the stack is taken down and dockerd stopped (trap).
 # The logs of the last run stay in $ATTEND_DOCKER_STATE/last-run/. Needs root.
@@ -365,6 +366,53 @@ took=$(($(date +%s) - started))
 exit_code=$(docker inspect --format '{{.State.ExitCode}}' "$api")
 echo "  api stopped in ${took}s with exit code $exit_code"
 [ "$exit_code" = 143 ] && [ "$took" -lt 10 ] || { docker logs --since "$since" "$api" 2>&1 | tail -n 20 >&2; exit 1; }
+
+# ------------------------------------------------------------------------------ 12. own models
+# docs/docker.md's "Your own models": the image's export stage writes a model into a folder of the host, the
+# API serves that folder (a read-only bind mount at /models), and a version exported there meanwhile (ATTEND_POLL_S).
+phase "own models: exported by the image, served from the host"
+timeout 600 docker build -q --target export -t attend:export --build-arg BASE_IMAGE="$BASE_TAG" . \
+    >"$LOGS/own-models.log" 2>&1 || { tail -n 30 "$LOGS/own-models.log" >&2; exit 1; }
+own=$RUN/own-models
+mkdir -p "$own"
+export_own() {  # export_own SEED: my_additive's next version, into the host's folder
+    docker run --rm -v "$own:/models" attend:export python -m export --repository /models --kind additive \
+        --name my_additive --seed "$1" >>"$LOGS/own-models.log" 2>&1 || { tail -n 30 "$LOGS/own-models.log" >&2; exit 1; }
+}
+own_call() {  # own_call VERSION: the toy request to my_additive, answered by that version with the book's numbers
+    python3 - "$port" "$RUN/toy.json" "$1" <<'EOF'
+import json, sys, time, urllib.request
+port, path, version = sys.argv[1], sys.argv[2], sys.argv[3]
+base = f"http://127.0.0.1:{port}"
+names = [m["name"] for m in json.load(urllib.request.urlopen(f"{base}/models", timeout=10))["models"]]
+assert names == ["my_additive"], f"/models lists {names}: the host's folder alone is served"
+deadline = time.monotonic() + 60
+while True:  # a version exported meanwhile: the next poll (1 s) loads it
+    served = str(json.load(urllib.request.urlopen(f"{base}/models/my_additive", timeout=10))["version"])
+    if served == version or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+body = dict(json.load(open(path)), model="my_additive")
+request = urllib.request.Request(f"{base}/attend", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+with urllib.request.urlopen(request, timeout=30) as response:
+    answer = json.load(response)
+outputs = answer["outputs"]
+expected = [[[2, 3, 4, 5]], [[10, 11, 12, 13]]]  # its keys are equal: any weights average the values
+ok = answer["model_version"] == version and all(abs(a - b) < 1e-4 for o, e in zip(outputs, expected)
+                                                   for ro, re_ in zip(o, e) for a, b in zip(ro, re_))
+print(f"  my_additive version {answer['model_version']}: outputs {outputs}")
+sys.exit(0 if ok else f"my_additive answered version {answer['model_version']} (wanted {version}): {outputs}")
+EOF
+}
+export_own 0
+printf 'services:\n  api:\n    volumes:\n      - %s:/models:ro\n' "$own" >"$RUN/own-models.yml"
+ATTEND_POLL_S=1 COMPOSE_FILE="$COMPOSE_FILE:$RUN/own-models.yml" "$COMPOSE" up -d --wait --wait-timeout 300 api \
+    >>"$LOGS/own-models.log" 2>&1 || { tail -n 30 "$LOGS/own-models.log" >&2; exit 1; }
+own_call 1
+export_own 1
+own_call 2
+
 "$COMPOSE" "${ALL_PROFILES[@]}" down --volumes --remove-orphans --timeout 30 >>"$LOGS/down.log" 2>&1
 STACK_UP=0
 # Dangling images older than a week (the classic builder's stage caches of older builds).
