@@ -15,6 +15,8 @@ Each configuration runs in a process of its own, changing only what it names:
                      (memory.enable_memory_arena_shrinkage gpu:0), as the CPU's do after warm-up
   no-cuda-outputs    no CUDA session of the graphs without weights (model.cuda.outputs.onnx): one CUDA session
                      a model fewer, to tell what one costs
+  small-cublas       cuBLAS's default workspace, which each handle allocates (a handle for each session and
+                     each thread it runs on), cut to one 4 MiB chunk (CUBLAS_WORKSPACE_CONFIG=:4096:1)
 
 Memory, MiB: resident (VmRSS) always; on CUDA the GPU's used memory (cudaMemGetInfo) less what it was
 before the process started, so a worker's CUDA context counts. Read after the load (warm-up included) and
@@ -31,6 +33,7 @@ import contextlib
 import ctypes
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -45,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.longseq import machine  # noqa: E402
 
-CONFIGS = ["served", "one-thread", "same-as-requested", "shared-arena", "shrink", "no-cuda-outputs"]
-CUDA_ONLY = {"same-as-requested", "shared-arena", "shrink", "no-cuda-outputs"}
+CONFIGS = ["served", "one-thread", "same-as-requested", "shared-arena", "shrink", "no-cuda-outputs", "small-cublas"]
+CUDA_ONLY = {"same-as-requested", "shared-arena", "shrink", "no-cuda-outputs", "small-cublas"}
 
 
 def resident_mib() -> float:
@@ -84,6 +87,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from service.core import sessions
 
     device, config = spec["device"], spec["config"]
+    if config == "small-cublas":  # read by cuBLAS when it makes a handle
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:1"
     if device == "cuda":
         sessions.preload_cuda()
     import numpy as np

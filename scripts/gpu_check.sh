@@ -63,7 +63,7 @@ step scaling 270 "$PY" bench/scaling.py --device both --processes 1,2,4,8 --budg
     --repository "$REPOSITORY" --results "$OUT/scaling.json"
 step engine 100 "$PY" bench/engine.py --device cuda --processes 1,8 --concurrency 64 --seconds 2 \
     --repository "$REPOSITORY" --results "$OUT/engine.json"
-step memory 85 "$PY" bench/worker_memory.py --device cuda --timeout 25 --budget 75 \
+step memory 95 "$PY" bench/worker_memory.py --device cuda --timeout 25 --budget 85 \
     --repository "$REPOSITORY" --results "$OUT/worker-memory-cuda.json"
 cat "$OUT/summary.txt"
 exit $status
