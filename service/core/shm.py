@@ -166,6 +166,17 @@ class Regions:
     def _open(self, region: Region, flags: int) -> _Fd:
         return _Fd(self._path(region.key), flags, region)
 
+    def parsed(self) -> bool:
+        """No change to the shared file left to parse (always, without one): what a decode on the event loop
+        may go on with. Parsing up to MAX_REGIONS regions is a decode thread's work."""
+        if self.file is None:
+            return True
+        try:
+            info = os.stat(self.file)
+        except FileNotFoundError:
+            return True  # none registered: nothing to parse
+        return (info.st_ino, info.st_mtime_ns, info.st_size) == self._stamp
+
     def _current(self) -> dict[str, Region]:
         """The regions, read again from the shared file where another worker changed it."""
         if self.file is None:

@@ -187,6 +187,8 @@ class SharedReads:
                                   "off (ATTEND_SHARED_MEMORY)")
         if not isinstance(region, str):
             raise BadRequest(f"{what}: shared_memory_region must be a string, got {json_type(region)}")
+        if self.left is not None and not self.regions.parsed():  # another worker changed them: read on a thread
+            raise Offload
         return self.regions
 
     def tensor(self, region: Any, size: Any, offset: Any, name: str, shape: list[int], datatype: str,

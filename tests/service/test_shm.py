@@ -336,3 +336,28 @@ def test_the_workers_share_the_regions(repository):
             error = _error(lambda c=client: c.infer("dot_product", _put(handle, tensors, httpclient, "w")))
             assert "no system shared memory region 'w' is registered" in error.message()
             client.close()
+
+
+def test_a_decode_on_the_event_loop_leaves_the_parse_of_another_workers_change_to_a_thread(tmp_path):
+    """With workers the regions are a file they share; reading it again after another worker changed it parses
+    up to MAX_REGIONS regions: a decode on the event loop hands itself to a thread instead (Offload)."""
+    import threading
+
+    from service.core.shm import Offload, Regions
+    from service.protocols.v2 import SharedReads
+
+    (tmp_path / "object").write_bytes(bytes(64))
+    shared = tmp_path / "regions.json"
+    mine, another_worker = Regions(shared, tmp_path), Regions(shared, tmp_path)
+    on_the_loop = SharedReads(mine, 1 << 20, threading.get_ident())
+    on_a_thread = SharedReads(mine, 1 << 20, None)
+    assert on_the_loop.of("input x", "r") is mine  # no file yet: nothing to parse
+    another_worker.register("r", "object", 0, 64)
+    with pytest.raises(Offload):
+        on_the_loop.of("input x", "r")
+    assert on_a_thread.of("input x", "r") is mine and mine.get("r").byte_size == 64  # the thread parses it
+    assert on_the_loop.of("input x", "r") is mine  # parsed: the loop goes on
+    assert on_the_loop.tensor("r", 64, 0, "x", [16], "FP32", np.dtype(np.float32), None).shape == (16,)
+    another_worker.unregister("r")
+    with pytest.raises(Offload):
+        on_the_loop.of("input x", "r")
