@@ -29,7 +29,7 @@ import anyio
 from export.repository import NAME_RULE, valid_name
 from service.core.batching import Scheduler
 from service.core.errors import ModelNotFound, ServiceError, excerpt
-from service.core.runtime import LoadedModel, Registry, StartupError
+from service.core.runtime import LoadedModel, Loader, Registry, Stamp, StartupError
 
 log = logging.getLogger("service")
 
@@ -96,9 +96,10 @@ class ModelControl:
             raise LoadFailed("this service has no model repository to load from")
         _check_name(name)
         async with self._lock:
-            newest = loader.newest(name)
+            # The repository is read on a thread: a slow or hung filesystem (a network mount) must not hold the loop.
+            newest, on_disk = await anyio.to_thread.run_sync(lambda: (loader.newest(name), loader.stamp(name)))
             current = self.registry.get(name)
-            if current is not None and current.stamp is not None and current.stamp == loader.stamp(name):
+            if current is not None and current.stamp is not None and current.stamp == on_disk:
                 # Already serving it, as it is on disk: nothing to swap, unless another worker unloaded it since.
                 self._share(discard=name, tell=False)
                 return current
@@ -177,15 +178,8 @@ class ModelControl:
         loader = self.registry.loader
         if loader is None:
             return []
-        from export.repository import list_models
-
-        try:  # moved, unmounted, its permissions changed: what is loaded serves on
-            folders = list_models(loader.repository) if loader.repository.is_dir() else None
-        except OSError as e:
-            folders, why = None, f"cannot be read ({e.strerror})"
-        else:
-            why = "is not there"
-        if folders is None:
+        stamps, why = await anyio.to_thread.run_sync(_scan, loader, frozenset(self.unloaded))
+        if stamps is None:
             if not self._repository_gone:
                 log.warning("the model repository %s %s: the models loaded serve on, and nothing is reloaded until "
                             "it is back", loader.repository, why)
@@ -195,11 +189,10 @@ class ModelControl:
             log.info("the model repository %s is back", loader.repository)
             self._repository_gone = False
         loaded = []
-        for model_dir in folders:
-            name = model_dir.name
+        for name, stamp in stamps.items():
             if name in self.unloaded:
-                continue  # until it is loaded again
-            stamp, current = loader.stamp(name), self.registry.get(name)
+                continue  # unloaded while the scan ran: until it is loaded again
+            current = self.registry.get(name)
             if stamp is None or (current is not None and current.stamp == stamp):
                 continue  # unreadable (its load would say why), or served as it is on disk
             if name in loader.failed_stamps and loader.failed_stamps[name] == stamp:
@@ -219,6 +212,20 @@ class ModelControl:
                 await self.reload_changed()
             except Exception:
                 log.exception("polling the model repository failed")
+
+
+def _scan(loader: Loader, unloaded: frozenset[str]) -> tuple[dict[str, Stamp | None] | None, str]:
+    """The stamp of each model of the repository (but the `unloaded`), as on disk now; or None and why the
+    repository cannot be read. Reads the disk: run it on a thread."""
+    from export.repository import list_models
+
+    try:  # moved, unmounted, its permissions changed: what is loaded serves on
+        if not loader.repository.is_dir():
+            return None, "is not there"
+        folders = list_models(loader.repository)
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror})"
+    return {d.name: loader.stamp(d.name) for d in folders if d.name not in unloaded}, ""
 
 
 def _read_names(path: Path) -> set[str]:

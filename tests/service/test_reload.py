@@ -439,3 +439,32 @@ def test_a_sighup_while_it_starts_neither_ends_it_nor_is_lost(repository, tmp_pa
     log = log_path.read_text()
     assert "loaded model additive (additive, version 1" in log and "version 2" in log, log
     assert "Traceback" not in log
+
+
+def test_a_slow_repository_never_holds_the_event_loop(settings, monkeypatch):
+    """A repository on a network mount that answers slowly (or hangs): the poll, SIGHUP and a load read it on a
+    thread, and the service answers meanwhile. Before, each model's config.json and files were read on the loop."""
+    from fastapi.testclient import TestClient
+
+    from service.core.runtime import Loader
+    from service.http.app import create_app
+
+    slow = threading.Event()
+    stamp = Loader.stamp
+
+    def slow_stamp(self, name):
+        if slow.is_set():
+            time.sleep(0.5)  # each model's config.json and files, as a slow mount reads them
+        return stamp(self, name)
+
+    monkeypatch.setattr(Loader, "stamp", slow_stamp)
+    with TestClient(create_app(settings)) as client:
+        control = client.app.state.dataplane.control
+        slow.set()
+        for call in (control.reload_changed, lambda: control.load("additive")):
+            running = client.portal.start_task_soon(call)
+            time.sleep(0.1)  # into its reads
+            assert client.get("/health/live").status_code == 200
+            assert not running.done()  # answered while the repository was being read
+            running.result(timeout=60)
+        assert control.registry.get("additive") is not None
