@@ -198,7 +198,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any  # noqa: N802
                               ) -> pb.RepositoryIndexResponse:
         self._admin(context)
-        rows = self.dataplane.registry.index()
+        rows = await asyncio.to_thread(self.dataplane.registry.index)  # reads the disk: never on the loop
         if request.ready:
             rows = [r for r in rows if r["state"] == "READY"]
         return codec.message_from({"models": rows}, pb.RepositoryIndexResponse())

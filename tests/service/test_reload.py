@@ -11,6 +11,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -442,29 +443,42 @@ def test_a_sighup_while_it_starts_neither_ends_it_nor_is_lost(repository, tmp_pa
 
 
 def test_a_slow_repository_never_holds_the_event_loop(settings, monkeypatch):
-    """A repository on a network mount that answers slowly (or hangs): the poll, SIGHUP and a load read it on a
-    thread, and the service answers meanwhile. Before, each model's config.json and files were read on the loop."""
+    """A repository on a network mount that answers slowly (or hangs): the poll, SIGHUP, a load, GET /models and
+    the repository index read it on a thread, and the service answers meanwhile. Before, each model's
+    config.json and files were read on the event loop (GET /models: the whole repository once a model)."""
     from fastapi.testclient import TestClient
 
-    from service.core.runtime import Loader
+    from service.core import runtime
     from service.http.app import create_app
 
     slow = threading.Event()
-    stamp = Loader.stamp
+    stamp, versions = runtime.Loader.stamp, runtime.list_versions
 
     def slow_stamp(self, name):
         if slow.is_set():
-            time.sleep(0.5)  # each model's config.json and files, as a slow mount reads them
+            time.sleep(0.5)  # a model's config.json and files, as a slow mount reads them
         return stamp(self, name)
 
-    monkeypatch.setattr(Loader, "stamp", slow_stamp)
-    with TestClient(create_app(settings)) as client:
+    def slow_versions(folder):
+        if slow.is_set():
+            time.sleep(0.2)  # a model's folder listed, as a slow mount lists it
+        return versions(folder)
+
+    monkeypatch.setattr(runtime.Loader, "stamp", slow_stamp)
+    monkeypatch.setattr(runtime, "list_versions", slow_versions)
+    with TestClient(create_app(settings)) as client, ThreadPoolExecutor(1) as another_client:
         control = client.app.state.dataplane.control
         slow.set()
-        for call in (control.reload_changed, lambda: control.load("additive")):
-            running = client.portal.start_task_soon(call)
+        calls = [lambda: client.portal.start_task_soon(control.reload_changed),
+                 lambda: client.portal.start_task_soon(control.load, "additive"),
+                 lambda: another_client.submit(client.get, "/models"),
+                 lambda: another_client.submit(client.get, "/models/additive")]
+        for call in calls:
+            running = call()
             time.sleep(0.1)  # into its reads
             assert client.get("/health/live").status_code == 200
             assert not running.done()  # answered while the repository was being read
-            running.result(timeout=60)
+            result = running.result(timeout=60)
+            if hasattr(result, "status_code"):
+                assert result.status_code == 200 and '"additive"' in result.text
         assert control.registry.get("additive") is not None

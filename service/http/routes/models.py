@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,19 +17,26 @@ router = APIRouter()
             summary="Every model: kind, hyperparameters, feature sizes, axes, provider, version")
 async def list_models(request: Request) -> dict[str, Any]:
     registry = request.app.state.dataplane.registry
-    return {"models": [_describe(registry, name) for name in _all_names(registry)]}
+    rows = await repository_index(registry)
+    return {"models": [_describe(registry, name, rows) for name in _all_names(registry, rows)]}
 
 
-def _all_names(registry: Any) -> list[str]:
+async def repository_index(registry: Any) -> list[dict[str, Any]]:
+    """The repository's models and versions (Registry.index), read once a request, on a thread: the disk is
+    read (a network mount may be slow), and never on the event loop."""
+    return await asyncio.to_thread(registry.index)
+
+
+def _all_names(registry: Any, rows: list[dict[str, Any]]) -> list[str]:
     """Served, broken, and in the repository folder but not loaded."""
-    return sorted({row["name"] for row in registry.index()} | set(registry.names()) | set(registry.broken))
+    return sorted({row["name"] for row in rows} | set(registry.names()) | set(registry.broken))
 
 
-def _describe(registry: Any, name: str) -> dict[str, Any]:
+def _describe(registry: Any, name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A model as GET /models shows it: served (with the version it serves and the versions loaded),
     unavailable (why), or not loaded; and the state of each version of the repository folder."""
     versions = [{"version": r["version"], "state": r["state"] or "not loaded", **({"reason": r["reason"]}
-                 if r["reason"] else {})} for r in registry.index() if r["name"] == name and r["version"]]
+                 if r["reason"] else {})} for r in rows if r["name"] == name and r["version"]]
     model = registry.get(name)
     if model is not None:
         return model.describe() | {"status": "ready", "loaded_versions": registry.loaded_versions(name),
@@ -41,6 +49,7 @@ def _describe(registry: Any, name: str) -> dict[str, Any]:
 @router.get("/models/{name}", responses=error_responses(401, 404, 422), summary="One model")
 async def get_model(request: Request, name: str) -> dict[str, Any]:
     registry = request.app.state.dataplane.registry
-    if name not in _all_names(registry):
+    rows = await repository_index(registry)
+    if name not in _all_names(registry, rows):
         raise unknown_model(registry, name, "name")
-    return _describe(registry, name)
+    return _describe(registry, name, rows)

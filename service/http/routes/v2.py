@@ -129,8 +129,8 @@ repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Pro
 @repository_router.post("/index", responses=protocol_errors(400, 401, 404, 413, 422),
              summary="Every model of the repository folder, each version with its state")
 async def index(request: Request) -> Response:
-    rows = request.app.state.dataplane.registry.index()
     raw = await _control_body(request)
+    rows = await asyncio.to_thread(request.app.state.dataplane.registry.index)  # reads the disk: never on the loop
     if raw.strip():
         try:
             body = orjson.loads(raw)
