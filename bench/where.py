@@ -58,7 +58,7 @@ _RULES = (
     ("session run", "Session.run (", "onnxruntime"),
     ("JSON parse", "_document (", "service/protocols/json_arrays.py"),
     ("JSON parse", "_parse_slowly (", "service/protocols/json_arrays.py"),
-    ("JSON encode", "encode_attend (", "service/protocols/attend.py"),
+    ("JSON encode", "attend_parts (", "service/protocols/attend.py"),
     ("arrays and checks", "decode_body (", "service/protocols/attend.py"),
     ("arrays and checks", "AttendCodec.decode (", "service/protocols/attend.py"),
     ("socket write", "CoalescingTransport.write (", "service/http/transport.py"),

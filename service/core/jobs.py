@@ -45,7 +45,7 @@ class Job:
     provider's (service.core.cost), the latter by the graphs its batch may run (service.core.choice)."""
 
     __slots__ = ("request", "deadline", "encode", "is_disconnected", "enqueued", "future", "axes", "rows", "n_q",
-                 "n_k", "key", "cost", "device", "unindexable", "shape", "elements", "trace")
+                 "n_k", "key", "cost", "device", "unindexable", "shape", "elements", "text", "trace")
 
     def __init__(self, request: Request, deadline: float, encode: Encoder | None = None,
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None, future: asyncio.Future | None = None):
@@ -62,8 +62,10 @@ class Job:
             sizes = job_sizes(request)
             if memo is not None:
                 memo["job sizes"] = sizes
-        self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements = sizes
+        self.axes, self.rows, self.n_q, self.n_k, self.key, costs, self.shape, self.elements, answers = sizes
         weights = request.return_weights
+        # The numbers its answer writes as text (JSON): their encode, not the run, is most of a large answer's cost.
+        self.text = (answers[0] if weights else answers[1]) if request.text_answer else 0
         self.cost = costs[0] if weights else costs[1]  # the weights in the answer, or not
         self.device = costs[2]
         self.unindexable = costs[4]  # its scores would pass the GPU kernels' 32-bit indexes
@@ -111,8 +113,10 @@ class SizePlan:
         return plan
 
 
-def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[Any, ...], tuple[int, ...], int]:
-    """A Job's axes, rows, n_q, n_k, key, costs, shape and elements, from its request's shapes. Its costs:
+def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, tuple[Any, ...], tuple[int, ...], int,
+                                         tuple[int, int]]:
+    """A Job's axes, rows, n_q, n_k, key, costs, shape, elements and answers (the numbers of its answer with
+    the weights and without), from its request's shapes. Its costs:
     in host memory with the weights in the answer and without (service.core.cost.answer); in the execution
     provider's, of the graphs its batch may run at its size or larger (service.core.choice.device_steps): as
     any job, and as one that returns no weights with lengths one an example, where a graph without the
@@ -143,7 +147,7 @@ def job_sizes(request: Request) -> tuple[dict[str, int], int, int, int, tuple, t
              (0, full, full)[other_kind], (0, linear, full)[linear_kind] if plan.linear else None,
              past and other_kind == 2, past and linear_kind == 2)
     return (axes, axes["batch"], n_q, n_k, tuple([axes[a] for a in plan.fixed]), costs,
-            tuple([axes[a] for a in plan.others]), elements + outputs)
+            tuple([axes[a] for a in plan.others]), elements + outputs, (outputs, outputs - weights))
 
 
 def heads_of(model: LoadedModel) -> int:

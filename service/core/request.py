@@ -35,6 +35,7 @@ class Request:
     memo: dict[str, Any] | None = None
     held: int = 0  # bytes of the body its feed still reads (binary tensors read in place), for its cost
     timeout_s: float | None = None  # the body's own bound from its arrival (the protocol's `timeout` parameter)
+    text_answer: bool = True  # its answer's numbers are written as text (JSON), not as bytes: see Job.text
 
 
 SEQUENCE_AXES = frozenset({"n", "n_q", "n_k"})

@@ -122,6 +122,7 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
     request = tensors_request(model, tensors, names, limits)
     request.held = cost.base if cost is not None else 0  # the message lives as long as the call
+    request.text_answer = False  # raw_output_contents: bytes
     if "timeout" in message.parameters:
         request.timeout_s = _timeout(message.parameters["timeout"])
     targets = {o.name: shm.target(*_shm_parameters(o.parameters, f"output {o.name}"), o.name, request)

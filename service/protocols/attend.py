@@ -42,7 +42,7 @@ from service.core.request import (
     pattern,
 )
 from service.core.runtime import LoadedModel, Registry
-from service.protocols.codec import JSON, Answer, Headers, Target, media_type
+from service.protocols.codec import JSON, Answer, Headers, Target, json_parts, media_type
 from service.protocols.json_arrays import (
     SMALL_BODY,
     Arrays,
@@ -164,23 +164,27 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
         raise
 
 
-_ORJSON = orjson.OPT_SERIALIZE_NUMPY
-
-
 def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes:
     """/attend's response body: the model and its version (a string, as the Open Inference Protocol's
     `model_version`), `outputs`, `attention_weights` (null when not asked for, or for a model without),
     and any other output of the model (`P` of the positional encoding)."""
+    parts = attend_parts(model, outputs, return_weights)
+    return parts if parts.__class__ is bytes else b"".join(parts)  # type: ignore[arg-type]
+
+
+def attend_parts(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes | list:
+    """encode_attend's body, in parts where it is large (service.protocols.codec.json_parts)."""
     body: dict[str, Any] = {"model": model.name, "model_version": model.version_text, "outputs": outputs["outputs"],
                             "attention_weights": outputs.get("attention_weights") if return_weights else None}
     if len(outputs) > 2 or "attention_weights" not in outputs:
         body.update((name, value) for name, value in outputs.items() if name not in body)
-    return orjson.dumps(body, option=_ORJSON)
+    return json_parts(body, sum([a.size for name, a in outputs.items()
+                                 if return_weights or name != "attention_weights"]))
 
 
 def encode_answer(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:
     """The codec's encoder: the body, with the X-Model-Version header of the model that answered."""
-    return Answer(encode_attend(model, outputs, return_weights), model.version_headers, JSON, model)
+    return Answer(attend_parts(model, outputs, return_weights), model.version_headers, JSON, model)
 
 
 def attend(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS) -> bytes:

@@ -36,14 +36,13 @@ from service.core.jobs import SizePlan
 from service.core.request import MAX_DIMS, Request, RequestLimits, build_request, find_model
 from service.core.runtime import LoadedModel
 from service.core.shm import Offload, OutputRegion, Regions, SharedMemoryOff
-from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, media_type
+from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, json_parts, media_type
 from service.protocols.json_arrays import large_not_json
 
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
 _ACCEPTED = {"float32": {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")},
              "int64": {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4")}}
-_ORJSON = orjson.OPT_SERIALIZE_NUMPY
 
 
 class BadRequest(InvalidJSON):
@@ -411,7 +410,7 @@ def tensors_request(model: LoadedModel, tensors: dict[str, np.ndarray], outputs:
 def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str | None,
              targets: dict[str, OutputRegion]) -> Encoder:
     def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer | ServiceError:
-        entries, blobs = [], []
+        entries, blobs, numbers = [], [], 0
         for name, binary in wanted:
             array = outputs[name]
             entry: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
@@ -427,18 +426,20 @@ def _encoder(model: LoadedModel, wanted: list[tuple[str, bool]], request_id: str
                 blobs.append(memoryview(blob).cast("B"))
             else:
                 entry["data"] = array.ravel()
+                numbers += array.size
             entries.append(entry)
         head: dict[str, Any] = {"model_name": model.name, "model_version": model.version_text}
         if request_id is not None:
             head["id"] = request_id
         head["outputs"] = entries
-        text = orjson.dumps(head, option=_ORJSON)
+        text = json_parts(head, numbers)  # a large JSON tensor: in parts
         # With the model that answered (the batch's snapshot): its X-Model-Version header.
         if not blobs:
             return Answer(text, model.version_headers, JSON, model)
         # In parts: the server sends them in one write without joining them (send_body).
-        return Answer([text, *blobs], [(b"inference-header-content-length", b"%d" % len(text)),
-                                       *model.version_headers], OCTETS, model)
+        texts = text if text.__class__ is list else [text]
+        return Answer([*texts, *blobs], [(b"inference-header-content-length", b"%d" % sum(map(len, texts))),
+                                         *model.version_headers], OCTETS, model)
 
     return encode
 
@@ -533,6 +534,7 @@ class InferCodec:
                     raise BadRequest(f"output {name}: shared_memory_region needs shared_memory_byte_size")
                 targets[name] = shm.target(given["shared_memory_region"], given["shared_memory_byte_size"],
                                            given.get("shared_memory_offset", 0), name, request)
+        request.text_answer = any(not binary and name not in targets for name, binary in wanted)
         return request, _encoder(model, wanted, request_id, targets)
 
     def error_body(self, error: ServiceError) -> bytes:

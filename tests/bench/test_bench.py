@@ -438,7 +438,7 @@ def test_where_tells_each_stage_of_a_sample():
         "arrays and checks": [*decode, "decode (/x/service/protocols/attend.py:491)",
                               "finite (/x/service/core/request.py:60)"],
         "JSON encode": [*batch, "encode_answer (/x/service/protocols/attend.py:648)",
-                        "encode_attend (/x/service/protocols/attend.py:641)"],
+                        "attend_parts (/x/service/protocols/attend.py:641)"],
         "batching": [*batch, "merge (/x/service/core/merge.py:20)"],
         "socket write": [*ours, "send_body (/x/service/http/extensions.py:122)",
                          "CoalescingTransport.write (/x/service/http/transport.py:40)"],
