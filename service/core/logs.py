@@ -93,8 +93,9 @@ class _Formatter(logging.Formatter):
 class _BatchHandler(logging.StreamHandler):
     """Formats each record as it comes (in the thread that logs it: formatting a whole batch later,
     in another thread, took the event loop's core for milliseconds and doubled the p99 latency) and
-    writes the lines in one write(): every LOG_FLUSH_S, at once for a WARNING or worse, and by
-    flush_logs() before the process exits."""
+    writes the lines in one write(), in the flusher's thread: every LOG_FLUSH_S, at once for a WARNING or
+    worse, and by flush_logs() before the process exits. The thread that logs never writes, nor waits
+    for the one that does: stderr may be a pipe that a log driver drains late."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,6 +103,15 @@ class _BatchHandler(logging.StreamHandler):
         # lock the event loop would wait on while the flusher writes. (A list swapped for a new one lost a
         # line now and then: appended to the old one after the swap, written no more.)
         self.lines: deque[str] = deque()
+        self.urgent = threading.Event()  # a WARNING or worse: the flusher writes at once
+
+    def handle(self, record: logging.LogRecord) -> Any:
+        """logging.Handler.handle without the handler's lock around emit: that lock is the writer's
+        (flush), held for as long as a write to a full pipe waits."""
+        kept = self.filter(record)
+        if kept:
+            self.emit(kept if isinstance(kept, logging.LogRecord) else record)
+        return kept
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -111,7 +121,7 @@ class _BatchHandler(logging.StreamHandler):
             return
         self.lines.append(line)
         if record.levelno >= logging.WARNING:
-            self.flush()
+            self.urgent.set()
 
     def flush(self) -> None:
         with self.lock:
@@ -132,9 +142,11 @@ class _Flusher(threading.Thread):
 
     def run(self) -> None:
         while True:
-            time.sleep(LOG_FLUSH_S)
-            if self.handler.lines:
-                self.handler.flush()
+            handler = self.handler
+            if handler.urgent.wait(LOG_FLUSH_S):
+                handler.urgent.clear()
+            if handler.lines:
+                handler.flush()
 
 
 def configure_logging(level: str) -> None:

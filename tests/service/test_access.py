@@ -2,9 +2,12 @@
 
 import io
 import logging
+import os
 import re
 import sys
 import threading
+import time
+from collections import deque
 
 import pytest
 from fastapi.testclient import TestClient
@@ -187,3 +190,45 @@ def test_no_access_line_is_lost_to_the_flusher():
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
         middleware._handler = None
+
+
+def test_a_full_stderr_never_holds_the_thread_that_logs():
+    """stderr a pipe that nobody drains for a while (a log driver that fell behind): the flusher's write waits,
+    and a warning or an access line logged meanwhile (on the event loop, say) returns at once; every line is
+    written once the pipe drains. Before, a warning wrote at once in the thread that logged it, and any line
+    waited for the handler's lock, which the blocked write held."""
+    from service.core import logs as middleware
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    read_end, write_end = os.pipe()
+    try:
+        middleware.configure_logging("info")
+        handler = middleware._handler
+        assert handler is not None
+        handler.setStream(os.fdopen(write_end, "w"))
+        log = logging.getLogger("service")
+        filler = threading.Thread(target=log.warning, args=("x" * (256 * 1024),), daemon=True)
+        filler.start()  # past the pipe's 64 KiB: the write waits on it
+        time.sleep(0.3)
+        assert handler.lines == deque() and not handler.lock.acquire(timeout=0.1)  # it writes, the lock held
+        logged = threading.Thread(target=lambda: (log.warning("the marker"), middleware.log_access("GET", "/", 200, 0)),
+                                  daemon=True)
+        logged.start()
+        logged.join(timeout=2)
+        waited = logged.is_alive()
+        os.set_blocking(read_end, False)
+        read = b""
+        deadline = time.monotonic() + 10
+        while b" GET / " not in read and time.monotonic() < deadline:
+            try:
+                read += os.read(read_end, 1 << 20)
+            except BlockingIOError:
+                time.sleep(0.01)
+        assert not waited, "a line logged waited for the full pipe"
+        assert read.count(b"the marker") == 1 and b" GET / " in read, read[-300:]
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        middleware._handler = None
+        os.close(read_end)
