@@ -107,3 +107,20 @@ def test_a_guard_refusal_is_counted_by_its_reason(service):
     for reason, more in {"connections": 1, "header_size": 1, "header_timeout": 0, "body_timeout": 0}.items():
         assert value(after, "attend_refused_total", reason=reason) == \
             value(before, "attend_refused_total", reason=reason) + more, reason
+
+
+def test_a_scrape_is_made_off_the_event_loop(client, monkeypatch):
+    """/metrics reads /proc and, with workers, every worker's files: on a thread, never on the loop."""
+    import threading
+
+    dataplane = client.app.state.dataplane
+    metrics = dataplane.metrics
+    where = []
+
+    def exposition():
+        where.append(threading.get_ident())
+        return type(metrics).exposition(metrics)
+
+    monkeypatch.setattr(metrics, "exposition", exposition)
+    assert "attend_requests_in_flight" in client.get("/metrics").text
+    assert where and where[0] != dataplane.loop_thread

@@ -18,7 +18,10 @@ router = APIRouter()
 async def list_models(request: Request) -> dict[str, Any]:
     registry = request.app.state.dataplane.registry
     rows = await repository_index(registry)
-    return {"models": [_describe(registry, name, rows) for name in _all_names(registry, rows)]}
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_name.setdefault(row["name"], []).append(row)
+    return {"models": [_describe(registry, name, by_name.get(name, [])) for name in _all_names(registry, rows)]}
 
 
 async def repository_index(registry: Any) -> list[dict[str, Any]]:
@@ -34,7 +37,8 @@ def _all_names(registry: Any, rows: list[dict[str, Any]]) -> list[str]:
 
 def _describe(registry: Any, name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A model as GET /models shows it: served (with the version it serves and the versions loaded),
-    unavailable (why), or not loaded; and the state of each version of the repository folder."""
+    unavailable (why), or not loaded; and the state of each version of the repository folder (`rows`: the
+    index's, its own among them)."""
     versions = [{"version": r["version"], "state": r["state"] or "not loaded", **({"reason": r["reason"]}
                  if r["reason"] else {})} for r in rows if r["name"] == name and r["version"]]
     model = registry.get(name)
