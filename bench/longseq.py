@@ -123,7 +123,7 @@ def feed(kind: str, n: int, lengths: str) -> dict[str, Any]:
     return inputs
 
 
-class _Memory:
+class Memory:
     """Memory in use, MiB: the GPU's (cudaMemGetInfo through the CUDA runtime ONNX Runtime loads, else
     nvidia-smi), or this process's resident memory."""
 
@@ -169,7 +169,7 @@ def point(spec: dict[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
     result: dict[str, Any] = {"status": "ok"}
-    memory = _Memory(device)
+    memory = Memory(device)
     result["memory_source"] = memory.source
     wanted = "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
     providers: list[Any] = [wanted]

@@ -29,12 +29,9 @@ after the runs. The CUDA-only configurations are not run on the CPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import datetime
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -46,40 +43,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.longseq import machine  # noqa: E402
+from bench.longseq import Memory, machine  # noqa: E402
+from bench.scaling import gpu_used_mib  # noqa: E402
 
 CONFIGS = ["served", "one-thread", "same-as-requested", "shared-arena", "shrink", "no-cuda-outputs", "small-cublas"]
 CUDA_ONLY = {"same-as-requested", "shared-arena", "shrink", "no-cuda-outputs", "small-cublas"}
-
-
-def resident_mib() -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def gpu_used_mib() -> float | None:
-    """The GPU's used memory (nvidia-smi: this makes no CUDA context), or None without one."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
-        return float(out.split()[0]) if out.strip() else None
-    return None
-
-
-class _CudaMemory:
-    """cudaMemGetInfo through the CUDA runtime ONNX Runtime loaded (its first call makes the context)."""
-
-    def __init__(self) -> None:
-        self._cudart = None
-        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-            with contextlib.suppress(OSError):
-                self._cudart = ctypes.CDLL(name)
-                return
-
-    def used(self) -> float | None:
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if self._cudart is None or self._cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
-            return gpu_used_mib()
-        return (total.value - free.value) / 2**20
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -99,10 +67,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from service.core.choice import _WARM_SIZES
     from service.core.dataplane import load_registry
 
-    cuda = _CudaMemory() if device == "cuda" else None
+    resident, cuda = Memory("cpu"), Memory("cuda") if device == "cuda" else None
 
     def measure() -> dict[str, float | None]:
-        return {"resident_mib": resident_mib(), "gpu_used_mib": cuda.used() if cuda else None}
+        return {"resident_mib": resident.used(), "gpu_used_mib": cuda.used() if cuda else None}
 
     if config == "same-as-requested":
         plain = sessions.providers_for

@@ -45,9 +45,9 @@ __all__ = ["BatchLimits", "Batcher", "Encoder", "Job", "Scheduler"]
 log = logging.getLogger("service")
 
 
-# What writing one number of an answer as JSON costs (orjson, a float32): 24-26 ns on this project's AMD EPYC
-# (2026-12-07). RunCost predicts the session run alone; a 21 MB JSON answer took 55 ms more to write, which a
-# batch run on the event loop would hold it for.
+# What writing one number of an answer as JSON costs (orjson, a float32; measured on this project's machines).
+# RunCost predicts the session run alone, and a large JSON answer takes far longer to write than to compute:
+# a batch run on the event loop would hold it for that too.
 _TEXT_S = 25e-9
 
 

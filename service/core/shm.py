@@ -169,24 +169,27 @@ class Regions:
     def parsed(self) -> bool:
         """No change to the shared file left to parse (always, without one): what a decode on the event loop
         may go on with. Parsing up to MAX_REGIONS regions is a decode thread's work."""
+        stamp = self._file_stamp()
+        return stamp is None or stamp == self._stamp  # None: no file, none registered: nothing to parse
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        """The shared file's (inode, mtime, size): a change rewrites it (os.replace). None: no file."""
         if self.file is None:
-            return True
+            return None
         try:
             info = os.stat(self.file)
         except FileNotFoundError:
-            return True  # none registered: nothing to parse
-        return (info.st_ino, info.st_mtime_ns, info.st_size) == self._stamp
+            return None
+        return info.st_ino, info.st_mtime_ns, info.st_size
 
     def _current(self) -> dict[str, Region]:
         """The regions, read again from the shared file where another worker changed it."""
         if self.file is None:
             return self._regions
-        try:
-            info = os.stat(self.file)
-        except FileNotFoundError:
+        stamp = self._file_stamp()
+        if stamp is None:
             self._regions, self._stamp = {}, None
             return self._regions
-        stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
         if stamp != self._stamp:
             self._regions = {r["name"]: Region(**r) for r in json.loads(self.file.read_bytes())}
             self._stamp = stamp

@@ -42,7 +42,7 @@ from service.core.request import (
     pattern,
 )
 from service.core.runtime import LoadedModel, Registry
-from service.protocols.codec import JSON, Answer, Headers, Target, json_parts, media_type
+from service.protocols.codec import JSON, Answer, Headers, Target, dumps, json_parts, media_type
 from service.protocols.json_arrays import (
     SMALL_BODY,
     Arrays,
@@ -168,18 +168,21 @@ def encode_attend(model: LoadedModel, outputs: dict[str, np.ndarray], return_wei
     """/attend's response body: the model and its version (a string, as the Open Inference Protocol's
     `model_version`), `outputs`, `attention_weights` (null when not asked for, or for a model without),
     and any other output of the model (`P` of the positional encoding)."""
-    parts = attend_parts(model, outputs, return_weights)
-    return parts if parts.__class__ is bytes else b"".join(parts)  # type: ignore[arg-type]
+    return dumps(*_answer(model, outputs, return_weights))
 
 
 def attend_parts(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool = True) -> bytes | list:
     """encode_attend's body, in parts where it is large (service.protocols.codec.json_parts)."""
+    return json_parts(*_answer(model, outputs, return_weights))
+
+
+def _answer(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> tuple[dict[str, Any], int]:
+    """The body's fields, and the numbers its arrays hold."""
     body: dict[str, Any] = {"model": model.name, "model_version": model.version_text, "outputs": outputs["outputs"],
                             "attention_weights": outputs.get("attention_weights") if return_weights else None}
     if len(outputs) > 2 or "attention_weights" not in outputs:
         body.update((name, value) for name, value in outputs.items() if name not in body)
-    return json_parts(body, sum([a.size for name, a in outputs.items()
-                                 if return_weights or name != "attention_weights"]))
+    return body, sum([a.size for name, a in outputs.items() if return_weights or name != "attention_weights"])
 
 
 def encode_answer(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer:

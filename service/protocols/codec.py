@@ -31,16 +31,16 @@ def media_type(headers: Headers) -> str | None:
 
 
 _OPTION = orjson.OPT_SERIALIZE_NUMPY
-# Numbers a call of orjson writes at most (~1 ms): orjson holds the GIL for a whole call, so a thread writing a
-# large answer lets the event loop have it between calls (a 21 MB answer held the loop 55 ms in one call).
+# Numbers a call of orjson writes at most (about a millisecond's work): orjson holds the GIL for a whole call,
+# so a thread writing a large answer lets the event loop have it between calls.
 TEXT_AT_ONCE = 1 << 15
 
 
 def json_parts(value: Any, numbers: int) -> bytes | list[Any]:
     """orjson.dumps(value) with NumPy arrays: those bytes where its arrays hold at most TEXT_AT_ONCE `numbers`
     in all; else the same bytes in parts, each from a call of orjson of at most TEXT_AT_ONCE numbers, not
-    joined (a copy of the whole: 10-20 ms of the GIL for 40 MB, its pages faulted in). An HTTP body may be
-    such a list (service.http.extensions.send_body)."""
+    joined (a join copies the whole, its pages faulted in, with the GIL held). An HTTP body may be such a
+    list (service.http.extensions.send_body)."""
     if numbers <= TEXT_AT_ONCE:
         return orjson.dumps(value, option=_OPTION)
     parts: list[Any] = []

@@ -30,7 +30,7 @@ async def ready(request: Request) -> dict[str, object]:
 @metrics_router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401),
                     summary="Prometheus metrics (text format)")
 async def metrics(request: Request) -> Response:
-    # On a thread: a scrape reads /proc and, with workers, every worker's files (~6 ms here), in Python that
-    # gives the GIL up as it goes; the event loop serves meanwhile.
+    # On a thread: a scrape reads /proc and, with workers, every worker's files, in Python that gives the GIL
+    # up as it goes; the event loop serves meanwhile.
     body = await asyncio.to_thread(request.app.state.dataplane.metrics.exposition)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
