@@ -472,14 +472,25 @@ def check_in_a_process(settings: Settings, timings_folder: str) -> None:
         raise StartupError(failure)
 
 
+# The stop signals exit_on_stop_signals' handler took while _signals_blocked held them; None when not held.
+_held: list[int] | None = None
+
+
 @contextlib.contextmanager
 def _signals_blocked(*signals: int) -> Iterator[None]:
-    """The signals held until the block ends (then delivered); a process started meanwhile inherits the mask."""
+    """The signals held until the block ends (then delivered); a process started meanwhile inherits the mask.
+    The mask is this thread's: a process-directed signal can land on another thread (the log flusher's), and
+    Python runs its handler here all the same, so exit_on_stop_signals' handler waits for the block's end too."""
+    global _held
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    _held = []
     try:
         yield
     finally:
+        came, _held = _held, None
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if came:
+            raise SystemExit(128 + came[0])
 
 
 @contextlib.contextmanager
@@ -488,6 +499,9 @@ def exit_on_stop_signals() -> Iterator[None]:
     what it started ends and the start's folder goes on the way out (the signals' default action left both
     behind, and as a container's PID 1 the process ignores them: `docker stop` waited its 10 s for SIGKILL)."""
     def stop(sig: int, frame: FrameType | None) -> None:
+        if _held is not None:  # a start under way (_signals_blocked): it raises once the start is done
+            _held.append(sig)
+            return
         raise SystemExit(128 + sig)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}

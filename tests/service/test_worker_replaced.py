@@ -287,6 +287,35 @@ def test_with_workers_sigterm_during_the_starts_check_leaves_nothing_behind(repo
     assert "serving on" not in stderr and "Traceback" not in stderr, stderr
 
 
+def test_sigterm_another_thread_takes_waits_until_the_check_has_started():
+    """The start holds SIGTERM while the check's process starts; the mask is the main thread's, so a SIGTERM
+    for the process landed on another thread (the log flusher's), and its handler raised in the main thread
+    midway through start(): the check read its arguments half written (an EOFError traceback, a busy core)."""
+    from service.http.server import _signals_blocked, exit_on_stop_signals
+
+    go, sent = threading.Event(), threading.Event()
+
+    def kill() -> None:  # started before the block, so SIGTERM is not blocked here: the kernel gives it this thread
+        go.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.set()
+
+    thread = threading.Thread(target=kill)
+    thread.start()
+    steps = []
+    with pytest.raises(SystemExit) as stopped, exit_on_stop_signals():
+        with _signals_blocked(signal.SIGTERM, signal.SIGINT):
+            go.set()
+            sent.wait()
+            for _ in range(1000):  # Python runs the handler in this thread at one of these
+                time.sleep(0)
+            steps.append("started")
+        steps.append("after")
+    thread.join()
+    assert steps == ["started"]
+    assert stopped.value.code == 128 + signal.SIGTERM
+
+
 def test_with_workers_a_check_that_dies_stops_the_start_in_one_line(repository, tmp_path):
     """(Its process pool's BrokenProcessPool was a traceback.)"""
     proc, [check] = _start_until_spawned(repository, tmp_path, 1)
