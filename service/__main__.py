@@ -48,7 +48,6 @@ from service.core import tracing
 from service.core.dataplane import load_registry
 from service.core.gpu import MIN_BUDGET, SHARE, WORKER_BYTES, auto_workers, holds, total_memory
 from service.core.logs import configure_logging
-from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
 from service.http.app import create_app
 from service.http.server import (
@@ -118,7 +117,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> 
                     "them, each holding every model", settings.workers, usable_cores())
     _warn_of_the_memory_limit(settings)
     _warn_of_the_gpu_memory(settings, gpu)
-    release_memory_eagerly()  # before the first large allocation
     with contextlib.ExitStack() as folders:
         try:
             with exit_on_stop_signals():  # the loads take seconds; then the server's own handlers take over

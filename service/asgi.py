@@ -23,7 +23,6 @@ from uvicorn.config import STARTUP_FAILURE
 from service.config import Settings, get_settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging
-from service.core.memory import release_memory_eagerly
 from service.core.runtime import StartupError
 from service.grpc.server import GRPCServer
 from service.http.app import AttendApp
@@ -53,7 +52,6 @@ def _new_process() -> Settings:
     parent's handlers are not there)."""
     settings = get_settings()
     configure_logging(settings.log_level)
-    release_memory_eagerly()
     return settings
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import types
@@ -48,6 +49,29 @@ def resident_after_idle(pid: int, idle: float) -> float:
         time.sleep(0.5)
         left.append(status_mib(pid, "VmRSS") - idle)
     return min(left)
+
+
+def secondary_heaps(pid: int) -> list[str]:
+    """glibc's heaps besides the main one in process `pid` (service.core.memory keeps one): each is a 64 MiB
+    reservation at a 64 MiB boundary, read-write where used (its first page, the heap's header, resident),
+    the rest inaccessible. (Libraries map untouched 64 MiB regions too.)"""
+    spans = []  # anonymous mappings: start, end, permissions, resident kB
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append([start, end, fields[1], 0] if len(fields) == 5 else None)
+        elif fields[0] == "Rss:" and spans[-1] is not None:
+            spans[-1][3] = int(fields[1])
+    spans = [s for s in spans if s is not None]
+    size = 64 << 20
+    heaps = []
+    for i, (start, end, perms, resident) in enumerate(spans):
+        rest = spans[i + 1] if i + 1 < len(spans) else [end, end, "", 0]
+        if start % size == 0 and perms == "rw-p" and resident and (
+                end == start + size or (rest[0] == end and rest[1] == start + size and rest[2] == "---p")):
+            heaps.append(f"{start:x}-{end:x}")
+    return heaps
 
 
 def largest_weights(elements: int, model: str = "dot_product", sent: bool = True) -> Body:

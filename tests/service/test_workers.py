@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from service.http.schemas import toy_request
+from tests.load.membound import secondary_heaps
 from tests.server import running_service, served_by_worker
 
 pytestmark = pytest.mark.slow
@@ -81,6 +82,8 @@ def test_two_workers_count_log_and_stop_as_one(repository, tmp_path):
             assert counter(scrapes[0], "attend_inflight_bytes_limit", pid=str(pid)) == 4 << 30
             assert counter(scrapes[0], "attend_device_bytes_limit", pid=str(pid)) == 3 << 30
             assert counter(scrapes[0], "attend_device_bytes", pid=str(pid)) == 0  # nothing in flight
+        # Every thread of every process allocates from one heap (service.core.memory; test_garbage says why).
+        assert {pid: secondary_heaps(pid) for pid in pids | {proc.pid}} == {pid: [] for pid in pids | {proc.pid}}
 
         # SIGHUP: each worker loads what changed (nothing here) and keeps serving, pids unchanged.
         pids = worker_pids(url)
