@@ -23,15 +23,18 @@ docs/observability.md says what every family means; a test holds it to a live sc
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import glob
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.process_collector import ProcessCollector
 
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
@@ -179,7 +182,8 @@ class Metrics:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
             registry.register(WorkerProcesses())
-            return generate_latest(registry)
+            with _files_locked(fcntl.LOCK_SH):  # a dead worker's files or their sum, never both (fold_dead_worker)
+                return generate_latest(registry)
         return generate_latest(self.registry)
 
     # The request path's accounting; multiprocess mode (ATTEND_WORKERS > 1) stays in here.
@@ -271,6 +275,42 @@ class Metrics:
 
 
 _LIVE_FILE = re.compile(r"gauge_live\w+?_(\d+)\.db$")
+_SUMMED = ("counter", "histogram", "summary")  # the kinds whose files' values add up across processes
+
+
+def fold_dead_worker(pid: int) -> None:
+    """A worker gone (multiprocess mode): its counters and histograms added into one file a kind for all dead
+    workers (`counter_dead.db`), its own files removed. The totals keep what it counted, and a scrape reads
+    a file a kind, not one for every worker that ever ran: a worker replaced again and again made every scrape
+    slower. Its live gauges' files are mark_process_dead's."""
+    path = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    with _files_locked(fcntl.LOCK_EX):
+        for own in glob.glob(os.path.join(path, f"*_{pid}.db")):
+            kind = os.path.basename(own).split("_")[0]
+            if kind not in _SUMMED:
+                continue
+            dead = os.path.join(path, f"{kind}_dead.db")
+            totals: dict[str, float] = {}
+            for file in (dead, own) if os.path.exists(dead) else (own,):
+                for key, value, _, _ in MmapedDict.read_all_values_from_file(file):
+                    totals[key] = totals.get(key, 0.0) + value
+            new = MmapedDict(dead + ".new")  # not *.db: a scrape reads every *.db of the folder
+            for key, value in totals.items():
+                new.write_value(key, value, 0.0)
+            new.close()
+            os.replace(dead + ".new", dead)
+            os.unlink(own)
+
+
+@contextlib.contextmanager
+def _files_locked(how: int) -> Iterator[None]:
+    """The multiprocess folder's lock: shared by a scrape, exclusive while a dead worker's files are folded."""
+    fd = os.open(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "fold.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+        yield
+    finally:
+        os.close(fd)
 
 
 class WorkerProcesses:

@@ -32,6 +32,7 @@ from service.config import Settings
 from service.core.dataplane import load_registry
 from service.core.logs import configure_logging, flush_logs
 from service.core.memory import libc
+from service.core.metrics import fold_dead_worker
 from service.core.runtime import StartupError
 from service.http.accept import BalancedListener, Shares
 from service.http.guard import Guard
@@ -344,8 +345,9 @@ class Supervisor(multiprocess.Multiprocess):
 
     def _gone(self, old: multiprocess.Process) -> None:
         """A worker gone leaves its live gauges' files: /metrics would go on counting its requests in flight and
-        listing its pid. Its counters stay (the totals hold what it served)."""
+        listing its pid. Its counters go into the files of the dead (the totals hold what it served)."""
         metrics_files.mark_process_dead(old.pid)
+        fold_dead_worker(old.pid)
         shares = getattr(self.config, "attend_shares", None)
         if shares is not None:  # nor the others count its connections while its replacement starts
             shares.release(old.pid)

@@ -76,8 +76,10 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
     log_path = tmp_path / "service.log"
     grpc_port = free_port()
     repo = shutil.copytree(repository, tmp_path / "repo")  # of its own: a new version is exported into it
+    scratch = tmp_path / "tmp"  # where the metrics' folder goes
+    scratch.mkdir()
     with running_service(repo, log_path=log_path, ATTEND_WORKERS="2", ATTEND_INTRA_OP_THREADS="1",
-                         ATTEND_GRPC_PORT=str(grpc_port), ATTEND_LOG_LEVEL="info") as (url, proc):
+                         ATTEND_GRPC_PORT=str(grpc_port), ATTEND_LOG_LEVEL="info", TMPDIR=str(scratch)) as (url, proc):
         port = int(url.rsplit(":", 1)[1])
         deadline = time.monotonic() + 60
         while len(worker_pids(url)) < 2 and time.monotonic() < deadline:
@@ -143,9 +145,12 @@ def test_a_killed_worker_is_replaced_and_the_other_drops_nothing(repository, tmp
         assert counter(metrics, "attend_ready") == 1
         pids_in = {int(p) for p in re.findall(r'^attend_inflight_bytes_limit\{pid="(\d+)"\}', metrics, re.M)}
         assert pids_in == {survivor, replacement}
-        # The dead worker's counters stay in the totals: at least every answer a client of the others received.
+        # The dead worker's counters stay in the totals (at least every answer a client received, its clients'
+        # before the kill too), in the files of the dead: its own are gone, or every scrape would read them.
         total = counter(metrics, "attend_requests_total", model="additive", protocol="http", status="200")
-        assert total >= sum(o == 200 for c in clients[survivor] for _, o in c.outcomes)
+        assert total >= sum(o == 200 for c in everyone for _, o in c.outcomes)
+        [folder] = scratch.glob("attend-metrics-*")
+        assert not list(folder.glob(f"*_{victim}.db")) and (folder / "counter_dead.db").exists(), os.listdir(folder)
 
         # The new worker serves gRPC too, on the shared port (SO_REUSEPORT): calls on new connections
         # reach both workers.
