@@ -294,6 +294,8 @@ def fold_dead_worker(pid: int) -> None:
             for file in (dead, own) if os.path.exists(dead) else (own,):
                 for key, value, _, _ in MmapedDict.read_all_values_from_file(file):
                     totals[key] = totals.get(key, 0.0) + value
+            with contextlib.suppress(FileNotFoundError):  # a fold cut short: MmapedDict would keep its values
+                os.unlink(dead + ".new")
             new = MmapedDict(dead + ".new")  # not *.db: a scrape reads every *.db of the folder
             for key, value in totals.items():
                 new.write_value(key, value, 0.0)

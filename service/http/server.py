@@ -347,7 +347,10 @@ class Supervisor(multiprocess.Multiprocess):
         """A worker gone leaves its live gauges' files: /metrics would go on counting its requests in flight and
         listing its pid. Its counters go into the files of the dead (the totals hold what it served)."""
         metrics_files.mark_process_dead(old.pid)
-        fold_dead_worker(old.pid)
+        try:
+            fold_dead_worker(old.pid)
+        except OSError as e:  # a full disk: its files stay, as they did, and the supervisor goes on
+            log.warning("could not fold worker %d's metrics into the dead workers' files: %s", old.pid, e)
         shares = getattr(self.config, "attend_shares", None)
         if shares is not None:  # nor the others count its connections while its replacement starts
             shares.release(old.pid)

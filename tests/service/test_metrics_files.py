@@ -52,6 +52,8 @@ def folder(tmp_path, monkeypatch):
 def test_dead_workers_fold_into_one_file_a_kind_and_the_totals_hold(folder):
     before = _scraped(Metrics().exposition())
     assert before[("attend_requests_total", (("model", "additive"),))] == 101 + 102 + 103
+    _write(folder, "counter", 999, {("attend_requests_total", "stale"): 9.0})  # a fold cut short left its new file
+    os.rename(folder / "counter_999.db", folder / "counter_dead.db.new")
     fold_dead_worker(101)
     fold_dead_worker(102)
     assert _scraped(Metrics().exposition()) == before
