@@ -171,21 +171,63 @@ def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dt
 
 def _encoder(names: list[str], request_id: str, stream: bool, targets: dict[str, OutputRegion]) -> Encoder:
     def encode(model: LoadedModel, outputs: dict[str, np.ndarray], return_weights: bool) -> Answer | ServiceError:
-        body = pb.ModelStreamInferResponse() if stream else pb.ModelInferResponse()
-        response = body.infer_response if stream else body
-        response.model_name, response.model_version, response.id = model.name, model.version_text, request_id
+        response = pb.ModelInferResponse(model_name=model.name, model_version=model.version_text, id=request_id)
+        raw = []
         for name in names:
             array = outputs[name]
             response.outputs.add(name=name, datatype="FP32", shape=array.shape)
             target = targets.get(name)
             if target is None:
-                response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+                raw.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
                 continue
             error = target.write(array)
             if error is not None:
                 return error
-            response.raw_output_contents.append(b"")  # as Triton: the others' keep their places
+            raw.append(b"")  # as Triton: the others' keep their places
         # With the model that answered (the batch's snapshot): its statistics count the success.
-        return Answer(body, [], GRPC, model)
+        return Answer(serialized(response, raw, stream), [], GRPC, model)
 
     return encode
+
+
+class Wire:
+    """A message serialized already: the gRPC handlers' response_serializer, and Ray Serve's proxy, call
+    SerializeToString on what a method returns, a message or this."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return self.data
+
+
+def _tag(message: Any, field: str) -> bytes:
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)  # length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_RAW = _tag(pb.ModelInferResponse, "raw_output_contents")
+_IN_STREAM = _tag(pb.ModelStreamInferResponse, "infer_response")
+
+
+def serialized(response: pb.ModelInferResponse, raw: list[bytes], stream: bool = False) -> Wire:
+    """`response` with `raw` as its raw_output_contents, in protobuf's bytes (as ModelStreamInfer's message with
+    `stream`), made where the answer is encoded. upb copied each output in, then grpc serialized the message
+    on the event loop, holding the GIL for both; the outputs are joined once here, the GIL free (bytes.join
+    over 1 MiB). Serialized fields go in number order, raw_output_contents last: protobuf's own bytes."""
+    parts = [response.SerializeToString()]
+    for data in raw:
+        parts += (_RAW, _varint(len(data)), data)
+    if stream:
+        parts[:0] = (_IN_STREAM, _varint(sum(map(len, parts))))
+    return Wire(b"".join(parts))

@@ -125,6 +125,11 @@ class MessageCheck:
         return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes, self.setting)
 
 
+def _serialize(message: Any) -> bytes:
+    """A method's answer: a message, or one serialized already where the answer was encoded (codec.Wire)."""
+    return message.SerializeToString()
+
+
 def not_a_message(name: str) -> InvalidRequest:
     return InvalidRequest(f"{name}: the request message is not an inference.{name}Request")
 
@@ -203,7 +208,7 @@ class CallGuard:
 
         call.__name__ = name
         return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
-                                                    response_serializer=handler.response_serializer)
+                                                    response_serializer=_serialize)
 
     async def _message(self, name: str, context: grpc.aio.ServicerContext, deserialize: Callable[[bytes], Any]
                        ) -> Any:
@@ -289,7 +294,7 @@ class CallGuard:
 
         call.__name__ = name
         return grpc.stream_stream_rpc_method_handler(call, request_deserializer=None,
-                                                     response_serializer=handler.response_serializer)
+                                                     response_serializer=_serialize)
 
     async def _messages(self, name: str, context: grpc.aio.ServicerContext, deserialize: Callable[[bytes], Any]
                         ) -> AsyncIterator[tuple[Any, int]]:

@@ -54,6 +54,7 @@ from service.core.request import find_model
 from service.core.runtime import StartupError
 from service.core.shm import Regions
 from service.grpc import codec, guard
+from service.grpc.codec import Wire
 from service.grpc.drain import drain
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
@@ -285,7 +286,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     # -------------------------------------------------------------------------------- inference
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                         ) -> pb.ModelInferResponse:
+                         ) -> Wire | None:
         exchange = GrpcExchange(request, context)
         self.in_progress.n += 1
         try:
@@ -385,7 +386,7 @@ class GrpcExchange:
         self.timeout_ms = metadata.get("x-request-timeout-ms")
         rid = metadata.get("x-request-id")
         self.rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
-        self.answer: pb.ModelInferResponse | None = None
+        self.answer: Wire | None = None  # the ModelInferResponse, serialized where it was encoded
         self.traceresponse: str | None = None  # while tracing is on (`traced`)
 
     def latest(self) -> float | None:
