@@ -10,7 +10,6 @@ from service.grpc.codec import serialized
 from service.grpc.guard import _serialize
 from service.grpc.proto import grpc_service_pb2 as pb
 
-
 # Raw outputs whose lengths cross the varint's byte boundaries, an empty one (an output in shared memory), a large one.
 SIZES = [[0], [127], [128], [16383, 16384], [5, 0, 2_097_152], [300, 1 << 21, 0, 7]]
 
