@@ -31,6 +31,7 @@ from service.core.runtime import LoadedModel
 from service.core.shm import OutputRegion
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.status import details_of
+from service.grpc.wire import Received
 from service.protocols.v2 import (
     BadRequest,
     SharedReads,
@@ -70,15 +71,16 @@ class GrpcCodec:
     def aligned_at(self, headers: Any) -> None:
         return None
 
-    def decode(self, core: Any, target: Any, headers: Any, message: pb.ModelInferRequest, cost: Cost
+    def decode(self, core: Any, target: Any, headers: Any, received: Received, cost: Cost
                ) -> tuple[Request, Encoder]:
-        """The request of `message` and its answer's encoder. Raises ServiceError subclasses, with `.model`
-        set once the model is known."""
+        """The request of the message `received` and its answer's encoder. Raises ServiceError subclasses, with
+        `.model` set once the model is known."""
+        message = received.message
         model = find_model(core.registry, message.model_name, message.model_version or None, "model_name",
                            "model_version")
         try:
             shm = SharedReads(core.regions, core.inline_decode_bytes, core.loop_thread)
-            return decode_for(model, message, core.limits, cost, self.stream, shm)
+            return decode_for(model, message, core.limits, cost, self.stream, shm, received.raw)
         except ServiceError as e:
             e.model = model.name
             raise
@@ -88,10 +90,13 @@ class GrpcCodec:
 
 
 def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None,
-               stream: bool = False, shm: SharedReads | None = None) -> tuple[Request, Encoder]:
-    """`shm`: the shared memory it may name (none: system shared memory is off)."""
+               stream: bool = False, shm: SharedReads | None = None, raw: list[memoryview] | None = None
+               ) -> tuple[Request, Encoder]:
+    """`shm`: the shared memory it may name (none: system shared memory is off); `raw`: the message's
+    raw_input_contents, where they were lifted out of it (service.grpc.wire.Received)."""
     shm = shm or SharedReads(None, 0, None)
-    inputs, raw = message.inputs, message.raw_input_contents
+    inputs = message.inputs
+    raw = message.raw_input_contents if raw is None else raw
     if raw and len(raw) != len(inputs):  # one each, unless some are in shared memory
         in_regions = sum("shared_memory_region" in t.parameters for t in inputs)
         if len(raw) != len(inputs) - in_regions:

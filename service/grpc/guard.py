@@ -109,10 +109,25 @@ class MessageCheck:
         self.max_message_bytes = max_message_bytes
         self.setting = setting  # the limit's name, in the refusal
         self.schemas: dict[str, dict[int, Any]] = {}  # each method's request message, by name
+        self.lifts: dict[str, int] = {}  # an inference method's: raw_input_contents' field number
 
     def add(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
         for name, handler in handlers.items():
-            self.schemas[name] = wire.schema(handler.request_deserializer.__self__.DESCRIPTOR)
+            descriptor = handler.request_deserializer.__self__.DESCRIPTOR
+            self.schemas[name] = wire.schema(descriptor)
+            if name in INFERENCE:
+                self.lifts[name] = descriptor.fields_by_name["raw_input_contents"].number
+
+    def read(self, name: str, message: bytes, deserialize: Callable[[bytes], Any]) -> tuple[Any, int]:
+        """`message` parsed (an inference method's as wire.Received, its tensors lifted out where it is large),
+        and the bytes it takes; raises as parsed_bytes."""
+        lift = self.lifts.get(name)
+        if lift is None or len(message) <= wire.SCAN_BYTES:
+            size = self.parsed_bytes(name, message)
+            request = deserialize(message)
+            return (request if lift is None else wire.Received(request)), size
+        size, rest, raw = wire.split(message, self.schemas[name], self.max_message_bytes, self.setting, lift)
+        return wire.Received(deserialize(rest), raw or None), size
 
     def parsed_bytes(self, name: str, message: bytes) -> int:
         """The bytes `message` takes parsed; raises ServiceError where it may not be parsed, DecodeError where
@@ -226,8 +241,7 @@ class CallGuard:
         if message is grpc.aio.EOF:
             return refuse(context, name, InvalidRequest(f"{name}: the call ended before its request message"))
         try:
-            size = self.check.parsed_bytes(name, message)
-            request = deserialize(message)
+            request, size = self.check.read(name, message, deserialize)
         except DecodeError:
             return refuse(context, name, not_a_message(name))
         except ServiceError as e:
@@ -316,8 +330,7 @@ class CallGuard:
                     continue
                 size = len(message)
                 try:
-                    size = self.check.parsed_bytes(name, message)
-                    request = deserialize(message)
+                    request, size = self.check.read(name, message, deserialize)
                 except DecodeError:
                     self.give()
                     request = InvalidRequest(f"{name}: a message is not an inference.ModelInferRequest")

@@ -60,6 +60,7 @@ from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.proto import model_config_pb2
 from service.grpc.status import CODES, details_of, end_call
+from service.grpc.wire import Received
 from service.protocols.v2 import config, extensions, metadata
 
 log = logging.getLogger("service")
@@ -285,9 +286,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -------------------------------------------------------------------------------- inference
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext  # noqa: N802
-                         ) -> Wire | None:
-        exchange = GrpcExchange(request, context)
+    async def ModelInfer(self, request: Received | pb.ModelInferRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> Wire | None:
+        # Ray Serve's proxy parses the message itself (service.grpc.proxied); the guard lifts its tensors out.
+        exchange = GrpcExchange(request if isinstance(request, Received) else Received(request), context)
         self.in_progress.n += 1
         try:
             await self.dataplane.serve(exchange)
@@ -336,7 +338,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                     # so that a client that sends and does not read is held back (grpc's flow control).
                     log_access("GRPC", "ModelStreamInfer", item.status, 0.0)
                     try:
-                        await StreamExchange(pb.ModelInferRequest(), context, stream).refuse(item)
+                        await StreamExchange(Received(pb.ModelInferRequest()), context, stream).refuse(item)
                     except _StreamClosed:
                         break
                     continue
@@ -349,7 +351,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             for task in tasks:  # the stream was cancelled, or the client went away: theirs too
                 task.cancel()
 
-    async def _one_of_stream(self, item: pb.ModelInferRequest, size: int, context: grpc.aio.ServicerContext,
+    async def _one_of_stream(self, item: Received, size: int, context: grpc.aio.ServicerContext,
                              stream: _Stream) -> None:
         """One message the guard counted as a call: served, and its call given back."""
         guard.message_size.set(size)  # this task's own context
@@ -368,17 +370,18 @@ class GrpcExchange:
     """One ModelInfer call, for service.core.exchange.serve: the message is the body; the answer is
     returned by the servicer, an error ends the call with its status code."""
 
-    __slots__ = ("message", "target", "context", "headers", "authorization", "timeout_ms", "arrived", "rid", "answer",
-                 "traceresponse")
+    __slots__ = ("received", "message", "target", "context", "headers", "authorization", "timeout_ms", "arrived", "rid",
+                 "answer", "traceresponse")
     protocol = "grpc"
     method = "GRPC"
     codec = _CODEC
     rpc = _INFER
     disconnected = None  # grpc cancels the call's task instead
 
-    def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
+    def __init__(self, received: Received, context: grpc.aio.ServicerContext):
         self.arrived = time.monotonic()
-        self.message = message
+        self.received = received
+        message = self.message = received.message
         self.target = message.model_name, message.model_version or None
         self.context = context
         metadata = self.headers = _metadata(context)
@@ -396,12 +399,12 @@ class GrpcExchange:
     def path(self, model: str) -> str:
         return f"ModelInfer {model}"
 
-    async def body(self, cost: Cost, until: float) -> pb.ModelInferRequest:
+    async def body(self, cost: Cost, until: float) -> Received:
         # In memory already (at most ATTEND_MAX_BODY_BYTES): held first, so that a call that would take the
         # budget past its limit is refused as HTTP's body would be.
         cost.base = guard.message_size.get() or self.message.ByteSize()
         cost.hold(cost.base, "this request")
-        return self.message
+        return self.received
 
     def cancelled(self) -> ServiceError:
         remaining = self.context.time_remaining()
@@ -464,8 +467,8 @@ class StreamExchange(GrpcExchange):
     codec = _STREAM_CODEC
     rpc = "inference.GRPCInferenceService/ModelStreamInfer"
 
-    def __init__(self, message: pb.ModelInferRequest, context: grpc.aio.ServicerContext, stream: _Stream):
-        super().__init__(message, context)
+    def __init__(self, received: Received, context: grpc.aio.ServicerContext, stream: _Stream):
+        super().__init__(received, context)
         self.stream = stream
 
     def path(self, model: str) -> str:

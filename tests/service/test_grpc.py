@@ -187,6 +187,42 @@ def test_typed_contents_give_what_raw_contents_give(server):
         np.testing.assert_allclose(_outputs(response)["outputs"], BOOK_OUTPUTS, rtol=1e-6)
 
 
+def test_a_large_message_gives_what_a_small_one_gives(server):
+    """Over 64 KiB the guard lifts raw_input_contents out of the message before protobuf parses it
+    (service.grpc.wire.split): every kind still answers /attend's numbers, with the tensors at every offset
+    mod 4 in the message (an id of 0-3 bytes shifts them) and a raw field ahead of the fields it belongs with."""
+    url, address = server
+    rng = np.random.default_rng(8)
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                response_deserializer=pb.ModelInferResponse.FromString)
+    with channel:
+        for kind, shift in ((k, s) for k in KINDS for s in range(4)):
+            b, n = 4, 8
+            while True:
+                body = make_body(kind, rng, b, n, n, "absent" if kind == "positional_encoding" else "1d")
+                model, tensors = _arrays(body)
+                if sum(a.nbytes for a in tensors.values()) > 80_000:
+                    break
+                b, n = (b, 2 * n) if n < 512 else (2 * b, n)  # within positional encoding's max_len
+            request = _raw_request(model, tensors)
+            request.id = "i" * shift
+            first = pb.ModelInferRequest(raw_input_contents=request.raw_input_contents[:1])
+            del request.raw_input_contents[0]
+            message = first.SerializeToString() + request.SerializeToString()  # protobuf merges the two
+            assert pb.ModelInferRequest.FromString(message).raw_input_contents[0] == first.raw_input_contents[0]
+            assert 64 * 1024 < len(message) < 1 << 20, (kind, len(message))
+            response = infer(message)
+            assert response.id == request.id and response.model_name == model
+            expected = _expected(url, body)
+            outputs = _outputs(response)
+            names = [name for name in ("outputs", "attention_weights", "P") if expected.get(name) is not None]
+            assert sorted(outputs) == sorted(names) and names, kind
+            for name in names:
+                np.testing.assert_allclose(outputs[name], np.array(expected[name]), rtol=1e-6, atol=1e-7,
+                                           err_msg=kind)
+
+
 def test_metadata_config_and_readiness_match_the_repository(server, repository):
     url, address = server
     client = grpcclient.InferenceServerClient(address)
