@@ -1,0 +1,77 @@
+"""What reading a ModelInferRequest holds the GIL for, by its size: protobuf's parse of the whole message and
+the bytes of its raw_input_contents (what the guard did before), against the guard's read now (the tensors
+lifted out as views: service.grpc.guard.MessageCheck.read) and the aligned copy the decode then makes of each
+misaligned tensor, on its thread with the GIL free. Medians over rounds, in process, on one core.
+
+    python bench/grpc_read.py [--mib 0.25,1,8,24] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compute import cpu  # noqa: E402
+
+from service.grpc import guard  # noqa: E402
+from service.grpc.proto import grpc_service_pb2 as pb  # noqa: E402
+from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
+
+
+def message(mib: float) -> bytes:
+    """W2's three inputs and its valid lengths, raw, of about `mib` MiB in all."""
+    n = max(1, int(mib * 2**20 / 12 / 64))
+    request = pb.ModelInferRequest(model_name="dot_product", id="r")
+    for name in ("queries", "keys", "values"):
+        request.inputs.add(name=name, datatype="FP32", shape=[1, n, 64])
+        request.raw_input_contents.append(np.ones((1, n, 64), np.float32).tobytes())
+    request.inputs.add(name="valid_lens", datatype="INT64", shape=[1])
+    request.raw_input_contents.append(np.array([n], np.int64).tobytes())
+    return request.SerializeToString()
+
+
+def _ms(work, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", default="0.25,1,8,24", help="message sizes, MiB")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    handlers = guard.Handlers()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), handlers)
+    check = guard.MessageCheck(1 << 40)
+    check.add(handlers.handlers)
+    parse = pb.ModelInferRequest.FromString
+
+    print(f"{cpu()}, numpy {np.__version__}; medians of {args.rounds} rounds\n")
+    print("| message MiB | protobuf's parse and raw bytes, GIL held (ms) | the guard's read, GIL held (ms) "
+          "| aligned copies, GIL free (ms) |")
+    print("| ---: | ---: | ---: | ---: |")
+    for mib in (float(m) for m in args.mib.split(",")):
+        data = message(mib)
+        whole = _ms(lambda: list(parse(data).raw_input_contents), args.rounds)  # noqa: B023
+        read = _ms(lambda: check.read("ModelInfer", data, parse), args.rounds)  # noqa: B023
+        received, _ = check.read("ModelInfer", data, parse)
+        views = received.raw if received.raw is not None else []
+        copies = _ms(lambda: [np.frombuffer(v, np.uint8).copy() for v in views], args.rounds)  # noqa: B023
+        print(f"| {len(data) / 2**20:.2f} | {whole:.2f} | {read:.3f} | {copies:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
