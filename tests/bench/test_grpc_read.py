@@ -1,5 +1,6 @@
 """bench/grpc_read.py: a row a message size, each column a time; at 8 MiB the guard's read holds the GIL for less
-than protobuf's parse of the same message (a fraction of a millisecond against milliseconds: no flaky margin)."""
+than protobuf's parse of the same message, and np.array reads typed contents in less time than np.fromiter (each
+by tens of times: no flaky margin)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,7 @@ def test_the_table_has_a_row_a_size_and_the_read_is_the_cheaper():
     assert [round(r[0]) for r in rows] == [0, 8], done.stdout
     _, parse, read, _ = rows[1]
     assert read < parse / 4, done.stdout
+    typed = {m[0]: (float(m[1]), float(m[2])) for m in
+             re.findall(r"^\| (\w+_contents) \| ([\d.]+) \| ([\d.]+) \|$", done.stdout, re.M)}
+    assert sorted(typed) == ["fp32_contents", "int64_contents"], done.stdout
+    assert all(now < before / 4 for before, now in typed.values()), done.stdout
