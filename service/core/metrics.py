@@ -180,7 +180,7 @@ class Metrics:
         """The text of /metrics: this process's registry, or every worker's values in multiprocess mode."""
         if MULTIPROCESS:
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
+            registry.register(WorkerFiles())
             registry.register(WorkerProcesses())
             with _files_locked(fcntl.LOCK_SH):  # a dead worker's files or their sum, never both (fold_dead_worker)
                 return generate_latest(registry)
@@ -313,6 +313,19 @@ def _files_locked(how: int) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+class WorkerFiles:
+    """Multiprocess mode's values: prometheus_client's MultiProcessCollector, less a file a worker has just
+    made and not yet sized (it holds no values yet; reading it raised struct.error, and the scrape failed)."""
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for file in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+            with contextlib.suppress(FileNotFoundError):  # a worker's own, removed as it stops
+                if os.path.getsize(file) > 0:
+                    files.append(file)
+        return multiprocess.MultiProcessCollector.merge(files, accumulate=True)
 
 
 class WorkerProcesses:

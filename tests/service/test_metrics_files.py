@@ -91,3 +91,12 @@ def test_a_scrape_while_workers_fold_sees_every_count_once(folder):
     assert errors == []
     totals = [s[("attend_requests_total", (("model", "additive"),))] for s in seen]
     assert len(totals) > 10 and totals == sorted(totals), "a count went down: a worker counted twice, then once"
+
+
+def test_a_file_a_worker_has_just_made_is_left_out_of_the_scrape(folder):
+    """prometheus_client opens a worker's file, then sizes it: a scrape between the two read an empty file, and
+    raised struct.error (the scrape answered 500). Such a file holds no values yet: it is left out."""
+    before = _scraped(Metrics().exposition())
+    (folder / "counter_104.db").touch()
+    assert _scraped(Metrics().exposition()) == before
+    assert before[("attend_requests_total", (("model", "additive"),))] == 101 + 102 + 103
