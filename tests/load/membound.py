@@ -93,7 +93,9 @@ def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, st
     count it, stage by stage), and how far it got ("ok", or the error's code)."""
     cost = Cost(Budget(1 << 50))
     headers = {k.encode(): v.encode() for k, v in body.headers.items()}
-    core = types.SimpleNamespace(registry=registry, limits=settings.request_limits())
+    # What a decode reads of the dataplane: no shared memory; on a thread (no bound on the shared memory it reads).
+    core = types.SimpleNamespace(registry=registry, limits=settings.request_limits(), regions=None,
+                                 inline_decode_bytes=settings.inline_decode_bytes, loop_thread=None)
     try:
         content: bytes = body.content
         codec = AttendCodec() if body.path == ATTEND else InferCodec()

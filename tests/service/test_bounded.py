@@ -331,6 +331,18 @@ def test_a_gzip_bomb_on_the_event_loop_is_refused_early(repository):
     assert max(peak) - idle < 64, (idle, max(peak))
 
 
+def test_make_membound_counts_every_form_of_body(repository):
+    """`make membound`'s count of each form of body (tests/load/membound.counted, the service's stages in
+    process): a count for each, and the answer where the service answers only 200 (OIP bodies once raised
+    AttributeError: the decode read the dataplane's shared memory, which the count did not stand in for)."""
+    settings = Settings()
+    registry = Registry.load(repository, "cpu", 1)
+    for body in every_form(1 << 20):
+        counted_bytes, status = counted(body, registry, settings)
+        assert counted_bytes >= len(body.content) // 2, (body.name, counted_bytes)  # gzip's: what it read
+        assert status == "ok" or body.statuses != (200,), (body.name, status)
+
+
 @pytest.mark.parametrize("model", ["additive", "dot_product"])
 def test_a_run_costs_no_more_than_it_is_counted_for(repository, model):
     """What a request's run holds (its peak resident memory above idle, a fresh process each) is within what
