@@ -17,6 +17,7 @@ import numpy as np
 
 ATTEND = "/attend"
 INFER = "/v2/models/dot_product/infer"
+GRPC = "ModelInfer"  # a gRPC call's: the body is its message
 
 
 @dataclass
@@ -134,6 +135,23 @@ def v2_header_lying(size: int) -> Body:
     content, headers = _binary([_batch(size, 4), N, D], "FP32")
     return Body("OIP binary, a header length that lies", INFER, content,
                 headers | {"inference-header-content-length": str(len(content) + 1)}, (400,))
+
+
+def grpc_forms(size: int) -> list[Body]:
+    """ModelInfer's messages: raw_input_contents (misaligned in the message: an id of 1 byte), and typed
+    contents (fp32_contents). Built with the service's own stubs, imported here: a test process that imports
+    tritonclient's would register the same proto files twice."""
+    from service.grpc.proto import grpc_service_pb2 as pb
+
+    shape = [_batch(size, 4), N, D]
+    tensor = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    raw, typed = pb.ModelInferRequest(model_name="dot_product", id="r"), pb.ModelInferRequest(model_name="dot_product")
+    for name in ("queries", "keys", "values"):
+        raw.inputs.add(name=name, datatype="FP32", shape=shape)
+        raw.raw_input_contents.append(tensor.tobytes())
+        typed.inputs.add(name=name, datatype="FP32", shape=shape).contents.fp32_contents.extend(tensor.ravel())
+    return [Body("gRPC, raw_input_contents", GRPC, raw.SerializeToString(), statuses=(200, 413)),
+            Body("gRPC, typed contents", GRPC, typed.SerializeToString(), statuses=(200, 413))]
 
 
 def every_form(size: int) -> list[Body]:

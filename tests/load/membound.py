@@ -1,8 +1,8 @@
 """What one request of each form costs in memory: the service's peak resident memory (VmHWM) above its
 idle resident memory, a fresh `python -m service` a form, beside what the service counts for it against
 ATTEND_MAX_INFLIGHT_BYTES (service.core.cost: the same stages, computed here in-process) and their ratio.
-Bodies from tests/load/bodies.py, of about --mib MiB before compression; the largest attention weights the
-limits allow as one more row. Default limits, but a budget large enough that nothing is refused for it.
+Bodies from tests/load/bodies.py, of about --mib MiB before compression: every form over HTTP, and ModelInfer's
+messages over gRPC; the largest attention weights the limits allow as more rows. Default limits, but a budget large enough that nothing is refused for it.
 
     python tests/load/membound.py [--mib 24] [--out docs/reliability.md]
 """
@@ -17,6 +17,7 @@ import time
 import types
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 
@@ -29,16 +30,27 @@ from service.core.cost import Budget, Cost  # noqa: E402
 from service.core.errors import ServiceError  # noqa: E402
 from service.core.inflate import Inflater, encoding_of  # noqa: E402
 from service.core.runtime import Registry  # noqa: E402
+from service.grpc import guard  # noqa: E402
+from service.grpc.codec import GrpcCodec  # noqa: E402
+from service.grpc.proto import grpc_service_pb2 as pb  # noqa: E402
+from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
 from service.protocols.attend import AttendCodec  # noqa: E402
 from service.protocols.v2 import InferCodec, parse_path  # noqa: E402
-from tests.load.bodies import ATTEND, Body, every_form  # noqa: E402
+from tests.load.bodies import ATTEND, GRPC, Body, every_form, grpc_forms  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
-from tests.server import running_service  # noqa: E402
+from tests.server import free_port, running_service  # noqa: E402
 
 
 def status_mib(pid: int, field: str) -> float:
     line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field + ":"))
     return int(line.split()[1]) / 1024
+
+
+def idle_mib(pid: int) -> float:
+    """MiB resident now, the peak (VmHWM) reset to it (Linux's clear_refs): a request's peak above it, not the
+    start's (loading the models), which the service gives back once idle (10 MiB above idle, 2026-12-07)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return status_mib(pid, "VmRSS")
 
 
 def resident_after_idle(pid: int, idle: float) -> float:
@@ -97,6 +109,8 @@ def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, st
     core = types.SimpleNamespace(registry=registry, limits=settings.request_limits(), regions=None,
                                  inline_decode_bytes=settings.inline_decode_bytes, loop_thread=None)
     try:
+        if body.path == GRPC:
+            return _counted_grpc(body, core, cost, settings)
         content: bytes = body.content
         codec = AttendCodec() if body.path == ATTEND else InferCodec()
         target = (None, None) if body.path == ATTEND else parse_path(body.path)
@@ -121,6 +135,33 @@ def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, st
         return cost.peak, e.code
 
 
+def _counted_grpc(body: Body, core: types.SimpleNamespace, cost: Cost, settings: Settings) -> tuple[int, str]:
+    """counted() for a ModelInfer message: read as the guard reads it, held as service.grpc.server holds it."""
+    check = guard.MessageCheck(settings.max_body_bytes)
+    handlers = guard.Handlers()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), handlers)
+    check.add(handlers.handlers)
+    received, size = check.read(GRPC, body.content, pb.ModelInferRequest.FromString)
+    cost.base = size
+    cost.hold(size)
+    if size > settings.inline_decode_bytes:
+        cost.hold(size)  # GrpcCodec.expected: nothing more
+    request, _ = GrpcCodec().decode(core, None, {}, received, cost)
+    cost.hold(request.held + Job(request, 0.0).cost)
+    return cost.peak, "ok"
+
+
+def _send_grpc(address: str, body: Body) -> int:
+    """`body` as a ModelInfer call: the HTTP status of its gRPC status (service.grpc.status's mapping)."""
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        try:
+            channel.unary_unary(f"/inference.GRPCInferenceService/{GRPC}")(body.content, timeout=300)
+            return 200
+        except grpc.RpcError as e:
+            return {grpc.StatusCode.RESOURCE_EXHAUSTED: 413, grpc.StatusCode.INVALID_ARGUMENT: 400,
+                    grpc.StatusCode.UNAVAILABLE: 503}.get(e.code(), 500)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=float, default=24.0, help="bodies of about this size before compression")
@@ -130,21 +171,26 @@ def main() -> int:
     settings = Settings()
     registry = Registry.load(args.repository, "cpu", 1)
     weights = settings.max_weight_elements
-    bodies = every_form(int(args.mib * 2**20)) + [largest_weights(weights), largest_weights(weights, sent=False),
-                                                  largest_weights(weights, "additive")]
+    bodies = every_form(int(args.mib * 2**20)) + grpc_forms(int(args.mib * 2**20)) + [
+        largest_weights(weights), largest_weights(weights, sent=False), largest_weights(weights, "additive")]
     table = ["| form | on the wire MiB | status | counted MiB | peak - idle MiB | peak / counted |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(table))
     for body in bodies:
         estimate, _ = counted(body, registry, settings)
+        port = free_port()
         with running_service(args.repository, ATTEND_LOG_LEVEL="warning", ATTEND_INTRA_OP_THREADS="1",
-                             ATTEND_MAX_INFLIGHT_BYTES=str(1 << 40)) as (url, proc):
-            idle = status_mib(proc.pid, "VmRSS")
-            response = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers, timeout=300)
+                             ATTEND_MAX_INFLIGHT_BYTES=str(1 << 40), ATTEND_GRPC_PORT=str(port)) as (url, proc):
+            idle = idle_mib(proc.pid)
+            if body.path == GRPC:
+                status = _send_grpc(f"127.0.0.1:{port}", body)
+            else:
+                status = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers,
+                                    timeout=300).status_code
             peak = status_mib(proc.pid, "VmHWM") - idle
         # A ratio of a few MiB says nothing: any request moves the peak by ~2 MiB (the refused rows).
         ratio = f"{peak / (estimate / 2**20):.2f}" if estimate >= 8 * 2**20 else "-"
-        table.append(f"| {body.name} | {body.wire / 2**20:.1f} | {response.status_code} | {estimate / 2**20:.0f} | "
+        table.append(f"| {body.name} | {body.wire / 2**20:.1f} | {status} | {estimate / 2**20:.0f} | "
                      f"{peak:.0f} | {ratio} |")
         print(table[-1], flush=True)
     if args.out:

@@ -32,12 +32,13 @@ from tests.load.bodies import (
     Body,
     compressed,
     every_form,
+    grpc_forms,
     json_dense,
     json_long,
     many_values,
     v2_binary,
 )
-from tests.load.membound import counted, largest_weights, resident_after_idle, status_mib
+from tests.load.membound import counted, idle_mib, largest_weights, resident_after_idle, status_mib
 from tests.server import AHEAD, running_service
 from tests.service.test_overload import rss_mb, sampling_rss
 
@@ -337,7 +338,7 @@ def test_make_membound_counts_every_form_of_body(repository):
     AttributeError: the decode read the dataplane's shared memory, which the count did not stand in for)."""
     settings = Settings()
     registry = Registry.load(repository, "cpu", 1)
-    for body in every_form(1 << 20):
+    for body in every_form(1 << 20) + grpc_forms(1 << 20):
         counted_bytes, status = counted(body, registry, settings)
         assert counted_bytes >= len(body.content) // 2, (body.name, counted_bytes)  # gzip's: what it read
         assert status == "ok" or body.statuses != (200,), (body.name, status)
@@ -359,7 +360,7 @@ def test_a_run_costs_no_more_than_it_is_counted_for(repository, model):
         counts[sent] = counted_bytes
         with running_service(repository, ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(1 << 40)) as (
                 url, proc):
-            idle = status_mib(proc.pid, "VmRSS")
+            idle = idle_mib(proc.pid)
             response = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers, timeout=120)
             peak = status_mib(proc.pid, "VmHWM") - idle
         assert response.status_code == 200, response.text
