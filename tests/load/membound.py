@@ -2,7 +2,8 @@
 idle resident memory, a fresh `python -m service` a form, beside what the service counts for it against
 ATTEND_MAX_INFLIGHT_BYTES (service.core.cost: the same stages, computed here in-process) and their ratio.
 Bodies from tests/load/bodies.py, of about --mib MiB before compression: every form over HTTP, and ModelInfer's
-messages over gRPC; the largest attention weights the limits allow as more rows. Default limits, but a budget large enough that nothing is refused for it.
+messages over gRPC; the largest attention weights the limits allow as more rows. Default limits, but a budget
+large enough that nothing is refused for it.
 
     python tests/load/membound.py [--mib 24] [--out docs/reliability.md]
 """

@@ -190,12 +190,21 @@ def test_typed_contents_give_what_raw_contents_give(server):
 def test_a_large_message_gives_what_a_small_one_gives(server):
     """Over 64 KiB the guard lifts raw_input_contents out of the message before protobuf parses it
     (service.grpc.wire.split): every kind still answers /attend's numbers, with the tensors at every offset
-    mod 4 in the message (an id of 0-3 bytes shifts them) and a raw field ahead of the fields it belongs with."""
+    mod 4 in the message (an id of 0-3 bytes shifts them) and a raw field ahead of the fields it belongs with;
+    as a ModelInfer call and as ModelStreamInfer's message, in turn."""
     url, address = server
     rng = np.random.default_rng(8)
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
-    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                response_deserializer=pb.ModelInferResponse.FromString)
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                               response_deserializer=pb.ModelInferResponse.FromString)
+    stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                   response_deserializer=pb.ModelStreamInferResponse.FromString)
+
+    def streamed(message: bytes) -> pb.ModelInferResponse:
+        (answer,) = list(stream(iter([message]), timeout=30))
+        assert not answer.error_message, answer.error_message
+        return answer.infer_response
+
     with channel:
         for kind, shift in ((k, s) for k in KINDS for s in range(4)):
             b, n = 4, 8
@@ -212,7 +221,7 @@ def test_a_large_message_gives_what_a_small_one_gives(server):
             message = first.SerializeToString() + request.SerializeToString()  # protobuf merges the two
             assert pb.ModelInferRequest.FromString(message).raw_input_contents[0] == first.raw_input_contents[0]
             assert 64 * 1024 < len(message) < 1 << 20, (kind, len(message))
-            response = infer(message)
+            response = (streamed if shift % 2 else call)(message)
             assert response.id == request.id and response.model_name == model
             expected = _expected(url, body)
             outputs = _outputs(response)
