@@ -6,9 +6,10 @@ grpc reads a unary call's whole message before its handler runs, and its own bou
 stall held every slot for as long as their connections stayed open, and no call was served meanwhile.
 So every method is registered here as a client-streaming one (the same bytes on the wire: a unary
 request is a stream of one message): the handler runs when the call begins, is counted, reads the one
-message within ATTEND_BODY_TIMEOUT_S, deserializes it as grpc would have, and hands it to the servicer's
-method. gRPC shows no part of a message before the whole of it, so there is no rate to check as HTTP
-does: the whole message must be in by then.
+message within ATTEND_BODY_TIMEOUT_S, deserializes it as grpc would have (a large inference request with
+its tensors lifted out: service.grpc.wire.split), and hands it to the servicer's method. gRPC shows no
+part of a message before the whole of it, so there is no rate to check as HTTP does: the whole message
+must be in by then.
 
     calls under way       at most ATTEND_MAX_CONNECTIONS (ServerLive, ServerReady and grpc.health.v1's
                           Check and List exempt, as HTTP's health probes): UNAVAILABLE with retry-after 1,
