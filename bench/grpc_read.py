@@ -25,7 +25,6 @@ from compute import cpu  # noqa: E402
 
 from service.grpc import guard  # noqa: E402
 from service.grpc.proto import grpc_service_pb2 as pb  # noqa: E402
-from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
 
 
 def message(mib: float) -> bytes:
@@ -54,10 +53,7 @@ def main() -> int:
     parser.add_argument("--mib", default="0.25,1,8,24", help="message sizes, MiB")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    handlers = guard.Handlers()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), handlers)
-    check = guard.MessageCheck(1 << 40)
-    check.add(handlers.handlers)
+    check = guard.service_check(1 << 40)
     parse = pb.ModelInferRequest.FromString
 
     print(f"{cpu()}, numpy {np.__version__}; medians of {args.rounds} rounds\n")

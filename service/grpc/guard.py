@@ -141,6 +141,17 @@ class MessageCheck:
         return wire.parsed_bytes(message, self.schemas[name], self.max_message_bytes, self.setting)
 
 
+def service_check(max_message_bytes: int) -> MessageCheck:
+    """A MessageCheck of the service's own methods, outside a server (bench/grpc_read.py, tests/load/membound.py)."""
+    from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
+
+    taken = Handlers()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), taken)
+    check = MessageCheck(max_message_bytes)
+    check.add(taken.handlers)
+    return check
+
+
 def _serialize(message: Any) -> bytes:
     """A method's answer: a message, or one serialized already where the answer was encoded (codec.Wire)."""
     return message.SerializeToString()

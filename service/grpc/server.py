@@ -370,7 +370,7 @@ class GrpcExchange:
     """One ModelInfer call, for service.core.exchange.serve: the message is the body; the answer is
     returned by the servicer, an error ends the call with its status code."""
 
-    __slots__ = ("received", "message", "target", "context", "headers", "authorization", "timeout_ms", "arrived", "rid",
+    __slots__ = ("received", "target", "context", "headers", "authorization", "timeout_ms", "arrived", "rid",
                  "answer", "traceresponse")
     protocol = "grpc"
     method = "GRPC"
@@ -381,7 +381,7 @@ class GrpcExchange:
     def __init__(self, received: Received, context: grpc.aio.ServicerContext):
         self.arrived = time.monotonic()
         self.received = received
-        message = self.message = received.message
+        message = received.message
         self.target = message.model_name, message.model_version or None
         self.context = context
         metadata = self.headers = _metadata(context)
@@ -391,6 +391,10 @@ class GrpcExchange:
         self.rid, _ = new_request_id(rid.encode("latin-1", "replace") if isinstance(rid, str) else rid)
         self.answer: Wire | None = None  # the ModelInferResponse, serialized where it was encoded
         self.traceresponse: str | None = None  # while tracing is on (`traced`)
+
+    @property
+    def message(self) -> pb.ModelInferRequest:
+        return self.received.message
 
     def latest(self) -> float | None:
         remaining = self.context.time_remaining()  # grpc-timeout, where the client set a deadline

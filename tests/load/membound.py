@@ -34,7 +34,6 @@ from service.core.runtime import Registry  # noqa: E402
 from service.grpc import guard  # noqa: E402
 from service.grpc.codec import GrpcCodec  # noqa: E402
 from service.grpc.proto import grpc_service_pb2 as pb  # noqa: E402
-from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
 from service.protocols.attend import AttendCodec  # noqa: E402
 from service.protocols.v2 import InferCodec, parse_path  # noqa: E402
 from tests.load.bodies import ATTEND, GRPC, Body, every_form, grpc_forms  # noqa: E402
@@ -138,10 +137,7 @@ def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, st
 
 def _counted_grpc(body: Body, core: types.SimpleNamespace, cost: Cost, settings: Settings) -> tuple[int, str]:
     """counted() for a ModelInfer message: read as the guard reads it, held as service.grpc.server holds it."""
-    check = guard.MessageCheck(settings.max_body_bytes)
-    handlers = guard.Handlers()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), handlers)
-    check.add(handlers.handlers)
+    check = guard.service_check(settings.max_body_bytes)
     received, size = check.read(GRPC, body.content, pb.ModelInferRequest.FromString)
     cost.base = size
     cost.hold(size)

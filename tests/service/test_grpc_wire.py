@@ -10,15 +10,10 @@ from google.protobuf.message import DecodeError
 
 from service.grpc import guard, wire
 from service.grpc.proto import grpc_service_pb2 as pb
-from service.grpc.proto import grpc_service_pb2_grpc as pb_grpc
 
 
 def _check(limit: int = 1 << 40) -> guard.MessageCheck:
-    handlers = guard.Handlers()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), handlers)
-    check = guard.MessageCheck(limit)
-    check.add(handlers.handlers)
-    return check
+    return guard.service_check(limit)
 
 
 def _message(rng: np.random.Generator, sizes: list[int]) -> bytes:
