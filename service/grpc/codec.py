@@ -80,7 +80,7 @@ class GrpcCodec:
                            "model_version")
         try:
             shm = SharedReads(core.regions, core.inline_decode_bytes, core.loop_thread)
-            return decode_for(model, message, core.limits, cost, self.stream, shm, received.raw)
+            return decode_for(model, message, core.limits, cost, self.stream, shm, received.raw_input_contents)
         except ServiceError as e:
             e.model = model.name
             raise

@@ -436,7 +436,7 @@ class GrpcExchange:
             attributes["client.address"] = host.strip("[]")
             if port.isdigit():
                 attributes["client.port"] = int(port)
-        form = "grpc raw" if self.message.raw_input_contents else "grpc contents"
+        form = "grpc raw" if self.received.raw_input_contents else "grpc contents"
         return self.rpc, attributes, form
 
     def span_end(self, status: int) -> tuple[dict[str, Any], bool]:

@@ -61,6 +61,11 @@ class Received(NamedTuple):
     message: Any
     raw: list[memoryview] | None = None
 
+    @property
+    def raw_input_contents(self) -> Any:
+        """The message's raw_input_contents, lifted or not."""
+        return self.message.raw_input_contents if self.raw is None else self.raw
+
 
 def parsed_bytes(message: bytes, fields: dict[int, _Field], limit: int,
                  setting: str = "ATTEND_MAX_BODY_BYTES") -> int:

@@ -71,11 +71,12 @@ def broken_repository(repository, tmp_path_factory):
 @pytest.fixture(scope="module")
 def traced(broken_repository, receiver, tmp_path_factory):
     """(HTTP URL, gRPC address, log path) of a service tracing every request to the receiver over gRPC: API
-    keys on, bodies up to 64 KiB, a batch that waits up to 20 ms for the requests of busy clients."""
+    keys on, bodies up to 256 KiB (a gRPC message over 64 KiB has its raw contents lifted out), a batch that
+    waits up to 20 ms for the requests of busy clients."""
     port = free_port()
     log = tmp_path_factory.mktemp("traced") / "service.log"
     with running_service(broken_repository, log_path=log, ready_path="/health/live", ATTEND_GRPC_PORT=str(port),
-                         ATTEND_LOG_LEVEL="info", ATTEND_API_KEYS=KEY, ATTEND_MAX_BODY_BYTES=str(64 * 1024),
+                         ATTEND_LOG_LEVEL="info", ATTEND_API_KEYS=KEY, ATTEND_MAX_BODY_BYTES=str(256 * 1024),
                          ATTEND_MAX_BATCH_WAIT_US="20000", ATTEND_SKIP_BROKEN_MODELS="true",
                          OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_BSP_SCHEDULE_DELAY="50",
                          OTEL_SERVICE_NAME="attend-test", OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test"
@@ -247,9 +248,11 @@ def test_v2_json_and_binary(traced, receiver):
         check_stages(receiver, request, form)
 
 
-def _grpc_request() -> pb.ModelInferRequest:
+def _grpc_request(batch: int = 1) -> pb.ModelInferRequest:
+    """The toy request, `batch` times over (over 64 KiB, the guard lifts its raw contents out of the message)."""
     request = pb.ModelInferRequest(model_name="additive")
     for name, array in (("queries", Q), ("keys", K), ("values", V)):
+        array = np.concatenate([array] * batch)
         request.inputs.add(name=name, datatype="FP32", shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
     return request
@@ -275,12 +278,13 @@ def test_grpc_model_infer(traced, receiver):
 
 
 def test_grpc_model_stream_infer(traced, receiver):
-    """Each message of a stream is a request span, a child of the stream's traceparent."""
+    """Each message of a stream is a request span, a child of the stream's traceparent; a large one's raw contents
+    (lifted out of the message) are its form."""
     _, address, _ = traced
     parent, trace_id, span_id = traceparent()
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        answers = list(stub.ModelStreamInfer(iter([_grpc_request()]), metadata=(
+        answers = list(stub.ModelStreamInfer(iter([_grpc_request(batch=256)]), metadata=(
             ("traceparent", parent), ("authorization", f"Bearer {KEY}"))))
     assert [a.error_message for a in answers] == [""]
     request = server_span(receiver, trace_id)
@@ -344,7 +348,7 @@ def test_refusals_end_their_span_with_the_errors_code(traced, receiver):
     url, _, _ = traced
     cases = [  # (headers, body, path, status, error.type, span status ERROR: a 5xx, or no answer)
         ({"content-type": "application/json"}, TOY, "/attend", 401, "unauthorized", False),
-        (JSON, b"[" + b"0," * 40_000 + b"0]", "/attend", 413, "payload_too_large", False),
+        (JSON, b"[" + b"0," * 140_000 + b"0]", "/attend", 413, "payload_too_large", False),
         (JSON, json.dumps({"model": "positional_encoding", "queries": [[[0.0, 1.0]]]}).encode(), "/attend", 503,
          "model_unavailable", True),
         ({**JSON, "x-request-timeout-ms": "0.001"}, TOY, "/attend", 504, "deadline_exceeded", True),
