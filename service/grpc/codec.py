@@ -17,6 +17,7 @@ into their messages (`message_from`): one source for both protocols.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -80,7 +81,8 @@ class GrpcCodec:
                            "model_version")
         try:
             shm = SharedReads(core.regions, core.inline_decode_bytes, core.loop_thread)
-            return decode_for(model, message, core.limits, cost, self.stream, shm, received.raw_input_contents)
+            return decode_for(model, message, core.limits, cost, self.stream, shm, received.raw_input_contents,
+                              received.typed)
         except ServiceError as e:
             e.model = model.name
             raise
@@ -90,10 +92,11 @@ class GrpcCodec:
 
 
 def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: RequestLimits, cost: Cost | None = None,
-               stream: bool = False, shm: SharedReads | None = None, raw: list[memoryview] | None = None
-               ) -> tuple[Request, Encoder]:
-    """`shm`: the shared memory it may name (none: system shared memory is off); `raw`: the message's
-    raw_input_contents, where they were lifted out of it (service.grpc.wire.Received)."""
+               stream: bool = False, shm: SharedReads | None = None, raw: list[memoryview] | None = None,
+               typed: dict[tuple[int, str], list[memoryview]] | None = None) -> tuple[Request, Encoder]:
+    """`shm`: the shared memory it may name (none: system shared memory is off); `raw` and `typed`: the
+    message's raw_input_contents and packed contents, where they were lifted out of it
+    (service.grpc.wire.Received)."""
     shm = shm or SharedReads(None, 0, None)
     inputs = message.inputs
     raw = message.raw_input_contents if raw is None else raw
@@ -106,7 +109,7 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
     seen: set[str] = set()
     tensors: dict[str, np.ndarray] = {}
     i = 0  # the next of raw_input_contents: one an input not in shared memory
-    for tensor in inputs:
+    for index, tensor in enumerate(inputs):
         name = input_named(tensor.name, model, seen)
         shape = input_shape(list(tensor.shape), name)
         datatype = tensor.datatype
@@ -123,7 +126,7 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
             tensors[name] = binary_tensor(raw[i], name, shape, datatype, dtype, cost, f"raw_input_contents[{i}]")
             i += 1
         else:
-            tensors[name] = _typed(tensor, name, shape, datatype, dtype, cost)
+            tensors[name] = _typed(tensor, name, shape, datatype, dtype, cost, (typed or {}).get, index)
     names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
     request = tensors_request(model, tensors, names, limits)
     request.held = cost.base if cost is not None else 0  # the message lives as long as the call
@@ -160,13 +163,21 @@ def _timeout(parameter: Any) -> float | None:
     return timeout_s(value)
 
 
-def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dtype, cost: Cost | None
-           ) -> np.ndarray:
+def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dtype, cost: Cost | None,
+           lifted: Callable[[tuple[int, str]], list[memoryview] | None], index: int) -> np.ndarray:
+    """Input `index`'s typed contents: lifted out of the message (`lifted`, by index and field), or parsed."""
     field = _CONTENTS.get(datatype)
     if field is None:
         raise BadRequest(f"input {name}: {datatype} has no typed contents: send it as raw_input_contents")
-    values = getattr(tensor.contents, field)
     count = math.prod(shape)
+    parts = lifted((index, field))
+    if parts is not None:  # packed little-endian values, as raw contents: read in place where aligned
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(data) % dtype.itemsize or len(data) // dtype.itemsize != count:
+            raise BadRequest(f"input {name}: contents.{field} holds {len(data) / dtype.itemsize:g} values, shape "
+                             f"{shape} takes {count}")
+        return binary_tensor(data, name, shape, datatype, dtype, cost, f"contents.{field}")
+    values = getattr(tensor.contents, field)
     if len(values) != count:
         raise BadRequest(f"input {name}: contents.{field} holds {len(values)} values, shape {shape} takes {count}")
     if cost is not None:  # a copy out of the message, and its cast

@@ -110,14 +110,14 @@ class MessageCheck:
         self.max_message_bytes = max_message_bytes
         self.setting = setting  # the limit's name, in the refusal
         self.schemas: dict[str, dict[int, Any]] = {}  # each method's request message, by name
-        self.lifts: dict[str, int] = {}  # an inference method's: raw_input_contents' field number
+        self.lifts: dict[str, frozenset[str]] = {}  # an inference method's: the paths its tensors are lifted from
 
     def add(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
         for name, handler in handlers.items():
             descriptor = handler.request_deserializer.__self__.DESCRIPTOR
             self.schemas[name] = wire.schema(descriptor)
             if name in INFERENCE:
-                self.lifts[name] = descriptor.fields_by_name["raw_input_contents"].number
+                self.lifts[name] = wire.LIFTED
 
     def read(self, name: str, message: bytes, deserialize: Callable[[bytes], Any]) -> tuple[Any, int]:
         """`message` parsed (an inference method's as wire.Received, its tensors lifted out where it is large),
@@ -127,8 +127,8 @@ class MessageCheck:
             size = self.parsed_bytes(name, message)
             request = deserialize(message)
             return (request if lift is None else wire.Received(request)), size
-        size, rest, raw = wire.split(message, self.schemas[name], self.max_message_bytes, self.setting, lift)
-        return wire.Received(deserialize(rest), raw or None), size
+        size, rest, raw, typed = wire.split(message, self.schemas[name], self.max_message_bytes, self.setting, lift)
+        return wire.Received(deserialize(rest), raw or None, typed or None), size
 
     def parsed_bytes(self, name: str, message: bytes) -> int:
         """The bytes `message` takes parsed; raises ServiceError where it may not be parsed, DecodeError where

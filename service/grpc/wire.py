@@ -9,11 +9,14 @@ more than the limit parsed, it is refused unparsed. Below SCAN_BYTES the worst p
 about 4 ms and 3 MB.
 
 The walk also lifts a request's tensors out (`split`): upb copies each raw_input_contents into the parsed
-message, and again into the bytes that reading it makes, both holding the GIL (`python bench/grpc_read.py`).
-Lifted, they are views of the message's bytes, read by the decode."""
+message, and again into the bytes that reading it makes, both holding the GIL (`python bench/grpc_read.py`);
+so it does a tensor's packed fp32_contents and fp64_contents (little-endian values, as raw contents are).
+Lifted, they are views of the message's bytes, read by the decode; the lengths of the messages that held
+them are rewritten."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -54,12 +57,19 @@ def schema(descriptor: Descriptor, made: dict[str, dict[int, _Field]] | None = N
     return fields
 
 
+# The fields a request's tensors are lifted out of, by path: bytes, or packed fixed-width little-endian values.
+RAW = "raw_input_contents"
+LIFTED = frozenset({RAW, "inputs.contents.fp32_contents", "inputs.contents.fp64_contents"})
+
+
 class Received(NamedTuple):
-    """A ModelInferRequest as the guard read it: `message` parsed without its raw_input_contents where `raw`
-    holds them (views of the bytes received), or whole where `raw` is None."""
+    """A ModelInferRequest as the guard read it: `message` parsed without the tensors lifted out of it; `raw` its
+    raw_input_contents where they were (views of the bytes received), `typed` its packed contents by input's
+    index and field name (the views of each one's parts, in order)."""
 
     message: Any
     raw: list[memoryview] | None = None
+    typed: dict[tuple[int, str], list[memoryview]] | None = None
 
     @property
     def raw_input_contents(self) -> Any:
@@ -72,25 +82,60 @@ def parsed_bytes(message: bytes, fields: dict[int, _Field], limit: int,
     """The bytes `message` takes parsed (itself, and what its packed varints grow to); raises InvalidRequest
     past MAX_FIELDS fields, PayloadTooLarge over `limit` (the `setting`'s), DecodeError where it is not
     a message."""
-    return _walked(message, fields, limit, setting, 0).size
+    return _walked(message, fields, limit, setting).size
 
 
-def split(message: bytes, fields: dict[int, _Field], limit: int, setting: str, lift: int
-          ) -> tuple[int, bytes, list[memoryview]]:
-    """parsed_bytes(message), the message without its fields number `lift` (bytes, at the top level), and those
-    fields' values as views of `message`, in order. Raises as parsed_bytes."""
+def split(message: bytes, fields: dict[int, _Field], limit: int, setting: str, lift: frozenset[str] = LIFTED
+          ) -> tuple[int, bytes, list[memoryview], dict[tuple[int, str], list[memoryview]]]:
+    """parsed_bytes(message); the message without the fields at the paths `lift` (bytes); and those fields'
+    values as views of `message`: the raw ones in order, the typed ones as Received.typed. Raises as
+    parsed_bytes."""
     walk = _walked(message, fields, limit, setting, lift)
-    if not walk.lifted:
-        return walk.size, message, []
-    view, rest, at = memoryview(message), [], 0
-    for field, _, stop in walk.lifted:
-        rest.append(view[at:field])
-        at = stop
-    rest.append(view[at:])
-    return walk.size, b"".join(rest), [view[start:stop] for _, start, stop in walk.lifted]
+    # A packed array also sent unpacked would be split in two, its order lost: such a message is parsed whole.
+    lifted = [leaf for leaf in walk.lifted if leaf.path == RAW or not walk.unpacked]
+    if not lifted:
+        return walk.size, message, [], {}
+    view = memoryview(message)
+    raw: list[memoryview] = []
+    typed: dict[tuple[int, str], list[memoryview]] = {}
+    for leaf in lifted:
+        if leaf.path == RAW:
+            raw.append(view[leaf.start:leaf.stop])
+        else:
+            key = (leaf.enclosing[0].index, leaf.path.rpartition(".")[2])
+            typed.setdefault(key, []).append(view[leaf.start:leaf.stop])
+    return walk.size, b"".join(_without(view, 0, len(message), lifted, 0)), raw, typed
 
 
-def _walked(message: bytes, fields: dict[int, _Field], limit: int, setting: str, lift: int) -> _Walk:
+def _without(view: memoryview, pos: int, end: int, lifted: list[_Lifted], depth: int) -> list[Any]:
+    """The parts of view[pos:end] without the `lifted` fields in it, with the lengths of the messages that
+    held them rewritten."""
+    parts: list[Any] = []
+    for node, leaves in itertools.groupby(lifted, lambda leaf: leaf.enclosing[depth:depth + 1]):
+        if not node:  # lifted from this message itself
+            for leaf in leaves:
+                parts.append(view[pos:leaf.at])
+                pos = leaf.stop
+            continue
+        (node,) = node
+        body = _without(view, node.start, node.stop, list(leaves), depth + 1)
+        parts += [view[pos:node.length_at], _varint(sum(map(len, body)))] + body
+        pos = node.stop
+    parts.append(view[pos:end])
+    return parts
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _walked(message: bytes, fields: dict[int, _Field], limit: int, setting: str,
+            lift: frozenset[str] = frozenset()) -> _Walk:
     walk = _Walk(message, lift)
     walk.message(0, len(message), fields, "")
     size = len(message) + walk.grown
@@ -102,11 +147,34 @@ def _walked(message: bytes, fields: dict[int, _Field], limit: int, setting: str,
     return walk
 
 
+class _Node(NamedTuple):
+    """A message field, at `at`, its length's varint at `length_at`, its value view[start:stop]; `index`: its
+    place among the top-level fields of its number (an input's index)."""
+
+    at: int
+    length_at: int
+    start: int
+    stop: int
+    index: int
+
+
+class _Lifted(NamedTuple):
+    path: str
+    enclosing: tuple[_Node, ...]  # the message fields that hold it, outermost first
+    at: int
+    start: int
+    stop: int
+
+
 class _Walk:
-    def __init__(self, data: bytes, lift: int = 0):
+    def __init__(self, data: bytes, lift: frozenset[str] = frozenset()):
         self.data = data
-        self.lift = lift  # a top-level field number whose values are lifted out (0: none)
-        self.lifted: list[tuple[int, int, int]] = []  # each one's (field, value, end) offsets
+        self.lift = lift  # paths of the fields lifted out
+        self.names = {path.rpartition(".")[2] for path in lift}  # their names: most fields are not one
+        self.lifted: list[_Lifted] = []
+        self.unpacked = False  # a lifted path's values also sent one a field
+        self.open: list[_Node] = []  # the message fields the walk is in
+        self.seen: dict[int, int] = {}  # top-level message fields so far, by number
         self.size = 0
         self.fields = 0
         self.grown = 0  # bytes the packed varints take parsed beyond their bytes on the wire
@@ -139,20 +207,27 @@ class _Walk:
             kind = tag & 7
             if kind == 0:
                 _, pos = self.varint(pos)
-            elif kind == 1:
-                pos += 8
-            elif kind == 5:
-                pos += 4
+            elif kind == 1 or kind == 5:
+                if field is not None and field.name in self.names and path + field.name in self.lift:
+                    self.unpacked = True
+                pos += 8 if kind == 1 else 4
             elif kind == 2:
+                length_at = pos
                 size, pos = self.varint(pos)
                 stop = pos + size
                 if stop > end:
                     raise DecodeError("a field runs past its message")
-                if tag >> 3 == self.lift and not path:
-                    self.lifted.append((at, pos, stop))
-                elif field is not None:
-                    if field.schema is not None:
+                if field is not None:
+                    if field.name in self.names and path + field.name in self.lift:
+                        self.lifted.append(_Lifted(path + field.name, tuple(self.open), at, pos, stop))
+                    elif field.schema is not None:
+                        index = 0
+                        if not path:
+                            index = self.seen.get(tag >> 3, 0)
+                            self.seen[tag >> 3] = index + 1
+                        self.open.append(_Node(at, length_at, pos, stop, index))
                         self.message(pos, stop, field.schema, f"{path}{field.name}.")
+                        self.open.pop()
                     elif field.value_bytes > 1:  # packed
                         grown = size * (field.value_bytes - 1)
                         self.grown += grown

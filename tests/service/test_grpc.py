@@ -76,8 +76,9 @@ def _stub(address):
     return channel, pb_grpc.GRPCInferenceServiceStub(channel)
 
 
-def _typed_request(model, tensors, outputs=()):
-    """A ModelInferRequest with every input's data in its typed contents (fp32_contents, int64_contents)."""
+def _typed_request(model, tensors, outputs=(), floats="FP32"):
+    """A ModelInferRequest with every input's data in its typed contents (fp32_contents or fp64_contents,
+    as `floats` says, and int64_contents)."""
     request = pb.ModelInferRequest(model_name=model)
     for name, array in tensors.items():
         tensor = request.inputs.add(name=name, shape=array.shape)
@@ -85,8 +86,8 @@ def _typed_request(model, tensors, outputs=()):
             tensor.datatype = "INT64"
             tensor.contents.int64_contents.extend(array.ravel().tolist())
         else:
-            tensor.datatype = "FP32"
-            tensor.contents.fp32_contents.extend(array.ravel().tolist())
+            tensor.datatype = floats
+            getattr(tensor.contents, f"{floats.lower()}_contents").extend(array.ravel().tolist())
     for name in outputs:
         request.outputs.add(name=name)
     return request
@@ -188,10 +189,10 @@ def test_typed_contents_give_what_raw_contents_give(server):
 
 
 def test_a_large_message_gives_what_a_small_one_gives(server):
-    """Over 64 KiB the guard lifts raw_input_contents out of the message before protobuf parses it
-    (service.grpc.wire.split): every kind still answers /attend's numbers, with the tensors at every offset
-    mod 4 in the message (an id of 0-3 bytes shifts them) and a raw field ahead of the fields it belongs with;
-    as a ModelInfer call and as ModelStreamInfer's message, in turn."""
+    """Over 64 KiB the guard lifts raw_input_contents, fp32_contents and fp64_contents out of the message
+    before protobuf parses it (service.grpc.wire.split): every kind still answers /attend's numbers, with the
+    tensors at every offset mod 4 in the message (an id of 0-3 bytes shifts them) and a raw field ahead of the
+    fields it belongs with; as a ModelInfer call and as ModelStreamInfer's message, in turn."""
     url, address = server
     rng = np.random.default_rng(8)
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
@@ -221,15 +222,18 @@ def test_a_large_message_gives_what_a_small_one_gives(server):
             message = first.SerializeToString() + request.SerializeToString()  # protobuf merges the two
             assert pb.ModelInferRequest.FromString(message).raw_input_contents[0] == first.raw_input_contents[0]
             assert 64 * 1024 < len(message) < 1 << 20, (kind, len(message))
-            response = (streamed if shift % 2 else call)(message)
-            assert response.id == request.id and response.model_name == model
+            typed = _typed_request(model, tensors, floats="FP64" if shift == 3 else "FP32")
+            typed.id = request.id
             expected = _expected(url, body)
-            outputs = _outputs(response)
             names = [name for name in ("outputs", "attention_weights", "P") if expected.get(name) is not None]
-            assert sorted(outputs) == sorted(names) and names, kind
-            for name in names:
-                np.testing.assert_allclose(outputs[name], np.array(expected[name]), rtol=1e-6, atol=1e-7,
-                                           err_msg=kind)
+            for sent in (message, typed.SerializeToString()):
+                response = (streamed if shift % 2 else call)(sent)
+                assert response.id == request.id and response.model_name == model
+                outputs = _outputs(response)
+                assert sorted(outputs) == sorted(names) and names, kind
+                for name in names:
+                    np.testing.assert_allclose(outputs[name], np.array(expected[name]), rtol=1e-6, atol=1e-7,
+                                               err_msg=kind)
 
 
 def test_metadata_config_and_readiness_match_the_repository(server, repository):
@@ -317,6 +321,17 @@ def test_errors_are_status_codes_naming_the_input(server):
         del request.inputs[1].contents.fp32_contents[-1]
         assert _error(lambda: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT, (
             "input keys: contents.fp32_contents holds 39 values, shape [2, 10, 2] takes 40"))
+        # The same over 64 KiB, where the guard lifts the contents out of the message (service.grpc.wire.split).
+        large = {name: np.ones((1, 100, 64), np.float32) for name in ("queries", "keys", "values")}
+        request = _typed_request("dot_product", large)
+        del request.inputs[1].contents.fp32_contents[-1]
+        assert request.ByteSize() > 64 * 1024 and _error(lambda: stub.ModelInfer(request)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "input keys: contents.fp32_contents holds 6399 values, shape "
+            "[1, 100, 64] takes 6400")
+        request = _raw_request("dot_product", large)
+        request.inputs[0].contents.fp32_contents.append(1.0)
+        assert request.ByteSize() > 64 * 1024 and _error(lambda: stub.ModelInfer(request)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "input queries has both contents and raw_input_contents[0]: send one")
         request = _typed_request("additive", {k: v for k, v in tensors.items() if k != "values"})
         assert _error(lambda: stub.ModelInfer(request)) == (grpc.StatusCode.INVALID_ARGUMENT,
                                                             "model additive needs input(s) values")

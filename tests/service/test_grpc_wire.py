@@ -52,14 +52,17 @@ def test_the_split_is_protobufs_parse(sizes, method):
     assert received.message == whole and received.message.SerializeToString() == whole.SerializeToString()
 
 
-def test_a_small_message_or_one_without_raw_contents_is_parsed_whole():
+def test_a_small_message_or_one_without_raw_or_float_contents_is_parsed_whole():
     check = _check()
     small = pb.ModelInferRequest(model_name="dot_product", raw_input_contents=[b"\0" * 64]).SerializeToString()
+    small_typed = pb.ModelInferRequest(model_name="dot_product")
+    small_typed.inputs.add(name="queries", datatype="FP32", shape=[9]).contents.fp32_contents.extend([1.5] * 9)
     typed = pb.ModelInferRequest(model_name="dot_product")
-    typed.inputs.add(name="queries", datatype="FP32", shape=[20_000]).contents.fp32_contents.extend([1.5] * 20_000)
-    for data in (small, typed.SerializeToString()):
+    typed.inputs.add(name="valid_lens", datatype="INT64", shape=[70_000]).contents.int64_contents.extend([3] * 70_000)
+    for data in (small, small_typed.SerializeToString(), typed.SerializeToString()):
         received, size = check.read("ModelInfer", data, pb.ModelInferRequest.FromString)
-        assert received.raw is None and size == check.parsed_bytes("ModelInfer", data) >= len(data)
+        assert received.raw is None and received.typed is None
+        assert size == check.parsed_bytes("ModelInfer", data) >= len(data)
         assert received.message == pb.ModelInferRequest.FromString(data)
     # A control call's message is parsed as it is, not as a Received.
     request, _ = check.read("ModelReady", pb.ModelReadyRequest(name="m").SerializeToString(),
@@ -77,3 +80,69 @@ def test_the_limit_holds_for_the_split():
     data = _message(np.random.default_rng(1), [100_000])
     with pytest.raises(Exception, match="over the limit of 1000 "):
         _check(1000).read("ModelInfer", data, pb.ModelInferRequest.FromString)
+
+
+def _field(number: int, value: bytes) -> bytes:
+    """A length-delimited field, as protobuf writes it."""
+    return wire._varint(number << 3 | 2) + wire._varint(len(value)) + value
+
+
+TENSOR = pb.ModelInferRequest.InferInputTensor
+INPUTS = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["inputs"].number
+CONTENTS = TENSOR.DESCRIPTOR.fields_by_name["contents"].number
+FP32 = pb.InferTensorContents.DESCRIPTOR.fields_by_name["fp32_contents"].number
+
+
+def _typed_message(rng: np.random.Generator, inputs: int, unpacked: bool = False) -> bytes:
+    """A request of `inputs` inputs, each sent in parts (protobuf merges them): packed fp32_contents in one to
+    three runs, fp64_contents, int64_contents and parameters among them, a contents field twice; `unpacked`:
+    one more fp32 value of the last input as a field of its own."""
+    tensors = []
+    for i in range(inputs):
+        parts = [TENSOR(name=f"in{i}", datatype="FP32", shape=[3, 5]).SerializeToString()]
+        for run in range(1 + i % 3):
+            contents = pb.InferTensorContents(fp32_contents=rng.standard_normal(int(rng.integers(0, 9000))))
+            if run == 1:
+                contents.int64_contents.extend([1, 2, 3])
+            if run == 2 or i < 2:
+                contents.fp64_contents.extend(rng.standard_normal(8200))
+            parts.append(_field(CONTENTS, contents.SerializeToString()))
+        extra = TENSOR()
+        extra.parameters["binary_data_size"].int64_param = i
+        parts.insert(int(rng.integers(1, len(parts))), extra.SerializeToString())
+        if unpacked and i == inputs - 1:
+            parts.append(_field(CONTENTS, wire._varint(FP32 << 3 | 5) + np.float32(2.5).tobytes()))
+        tensors.append(_field(INPUTS, b"".join(parts)))
+    head = pb.ModelInferRequest(model_name="dot_product", id="i" * int(rng.integers(0, 4))).SerializeToString()
+    tail = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="outputs")])
+    return head + b"".join(tensors) + tail.SerializeToString()
+
+
+@pytest.mark.parametrize("inputs", [1, 2, 4])
+def test_typed_contents_lifted_are_protobufs_parse(inputs):
+    """fp32_contents and fp64_contents come out as the little-endian bytes of the values protobuf parses, in
+    their order across runs and merged fields; the rest, with its lengths rewritten, parses as the whole
+    message less those fields."""
+    rng = np.random.default_rng(inputs)
+    data = _typed_message(rng, inputs)
+    assert len(data) > wire.SCAN_BYTES
+    received, size = _check().read("ModelInfer", data, pb.ModelInferRequest.FromString)
+
+    whole = pb.ModelInferRequest.FromString(data)
+    assert size == _check().parsed_bytes("ModelInfer", data) and received.raw is None
+    expected = {}
+    for i, tensor in enumerate(whole.inputs):
+        for field, dtype in (("fp32_contents", "<f4"), ("fp64_contents", "<f8")):
+            if getattr(tensor.contents, field):
+                expected[i, field] = np.array(getattr(tensor.contents, field), dtype).tobytes()
+            tensor.contents.ClearField(field)
+    assert {key: b"".join(views) for key, views in received.typed.items()} == expected
+    assert all(view.obj is data for views in received.typed.values() for view in views)
+    assert received.message == whole and received.message.SerializeToString() == whole.SerializeToString()
+
+
+def test_typed_contents_also_sent_unpacked_are_parsed_whole():
+    data = _typed_message(np.random.default_rng(0), 3, unpacked=True)
+    received, _ = _check().read("ModelInfer", data, pb.ModelInferRequest.FromString)
+    assert received.typed is None and received.message == pb.ModelInferRequest.FromString(data)
+    assert received.message.inputs[2].contents.fp32_contents[-1] == 2.5
