@@ -172,6 +172,8 @@ def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dt
     count = math.prod(shape)
     parts = lifted((index, field))
     if parts is not None:  # packed little-endian values, as raw contents: read in place where aligned
+        if len(parts) > 1 and cost is not None:  # the runs joined: a copy
+            cost.add(sum(map(len, parts)), f"input {name}")
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         if len(data) % dtype.itemsize or len(data) // dtype.itemsize != count:
             raise BadRequest(f"input {name}: contents.{field} holds {len(data) / dtype.itemsize:g} values, shape "

@@ -146,3 +146,38 @@ def test_typed_contents_also_sent_unpacked_are_parsed_whole():
     received, _ = _check().read("ModelInfer", data, pb.ModelInferRequest.FromString)
     assert received.typed is None and received.message == pb.ModelInferRequest.FromString(data)
     assert received.message.inputs[2].contents.fp32_contents[-1] == 2.5
+
+
+@pytest.mark.parametrize("runs", [1, 2])
+def test_lifted_typed_contents_are_decoded_in_place_and_their_copies_counted(repository, runs):
+    """The decode reads a lifted tensor in place where it is aligned; a misaligned one, or one in several
+    runs (joined), is copied, and the copy is counted in the request's cost."""
+    from service.core.cost import Budget, Cost
+    from service.core.request import RequestLimits
+    from service.core.runtime import Registry
+    from service.grpc.codec import decode_for
+
+    model = Registry.load(repository, "cpu", 1).get("dot_product")
+    x = np.random.default_rng(runs).standard_normal((1, 300, 64)).astype(np.float32)
+    for shift in range(4):
+        tensors = []
+        for name in ("queries", "keys", "values"):
+            parts = [TENSOR(name=name, datatype="FP32", shape=x.shape).SerializeToString()]
+            for run in np.array_split(x.ravel(), runs):
+                parts.append(_field(CONTENTS, pb.InferTensorContents(fp32_contents=run).SerializeToString()))
+            tensors.append(_field(INPUTS, b"".join(parts)))
+        head = pb.ModelInferRequest(model_name="dot_product", id="i" * shift).SerializeToString()
+        received, _ = _check().read("ModelInfer", head + b"".join(tensors), pb.ModelInferRequest.FromString)
+        cost = Cost(Budget(1 << 30))
+        request, _ = decode_for(model, received.message, RequestLimits(), cost, typed=received.typed)
+        copied = 0
+        for name, parts in zip(("queries", "keys", "values"), received.typed.values(), strict=True):
+            np.testing.assert_array_equal(request.feed[name], x)
+            in_place = np.shares_memory(request.feed[name], np.frombuffer(parts[0], np.uint8))
+            assert in_place == (runs == 1 and _aligned(parts[0])), (name, shift)
+            copied += 0 if in_place else x.nbytes
+        assert cost.held >= copied + 3 * x.size, (cost.held, copied, shift)  # and the finiteness check's mask
+
+
+def _aligned(view: memoryview) -> bool:
+    return np.frombuffer(view, np.uint8).ctypes.data % 4 == 0
