@@ -150,8 +150,25 @@ def grpc_forms(size: int) -> list[Body]:
         raw.inputs.add(name=name, datatype="FP32", shape=shape)
         raw.raw_input_contents.append(tensor.tobytes())
         typed.inputs.add(name=name, datatype="FP32", shape=shape).contents.fp32_contents.extend(tensor.ravel())
+    # The same typed contents, each tensor's in 64 runs (contents fields protobuf merges): the decode joins them.
+    runs = pb.ModelInferRequest(model_name="dot_product").SerializeToString()
+    inputs = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["inputs"].number
+    contents = pb.ModelInferRequest.InferInputTensor.DESCRIPTOR.fields_by_name["contents"].number
+    for name in ("queries", "keys", "values"):
+        parts = [pb.ModelInferRequest.InferInputTensor(name=name, datatype="FP32", shape=shape).SerializeToString()]
+        parts += [proto_field(contents, pb.InferTensorContents(fp32_contents=run).SerializeToString())
+                  for run in np.array_split(tensor.ravel(), 64)]
+        runs += proto_field(inputs, b"".join(parts))
     return [Body("gRPC, raw_input_contents", GRPC, raw.SerializeToString(), statuses=(200, 413)),
-            Body("gRPC, typed contents", GRPC, typed.SerializeToString(), statuses=(200, 413))]
+            Body("gRPC, typed contents", GRPC, typed.SerializeToString(), statuses=(200, 413)),
+            Body("gRPC, typed contents in 64 runs", GRPC, runs, statuses=(200, 413))]
+
+
+def proto_field(number: int, value: bytes) -> bytes:
+    """A length-delimited protobuf field, as protobuf writes it."""
+    from service.grpc.wire import _varint
+
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
 
 
 def every_form(size: int) -> list[Body]:

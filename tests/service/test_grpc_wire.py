@@ -10,6 +10,7 @@ from google.protobuf.message import DecodeError
 
 from service.grpc import guard, wire
 from service.grpc.proto import grpc_service_pb2 as pb
+from tests.load.bodies import proto_field
 
 
 def _check(limit: int = 1 << 40) -> guard.MessageCheck:
@@ -82,11 +83,6 @@ def test_the_limit_holds_for_the_split():
         _check(1000).read("ModelInfer", data, pb.ModelInferRequest.FromString)
 
 
-def _field(number: int, value: bytes) -> bytes:
-    """A length-delimited field, as protobuf writes it."""
-    return wire._varint(number << 3 | 2) + wire._varint(len(value)) + value
-
-
 TENSOR = pb.ModelInferRequest.InferInputTensor
 INPUTS = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["inputs"].number
 CONTENTS = TENSOR.DESCRIPTOR.fields_by_name["contents"].number
@@ -106,13 +102,13 @@ def _typed_message(rng: np.random.Generator, inputs: int, unpacked: bool = False
                 contents.int64_contents.extend([1, 2, 3])
             if run == 2 or i < 2:
                 contents.fp64_contents.extend(rng.standard_normal(8200))
-            parts.append(_field(CONTENTS, contents.SerializeToString()))
+            parts.append(proto_field(CONTENTS, contents.SerializeToString()))
         extra = TENSOR()
         extra.parameters["binary_data_size"].int64_param = i
         parts.insert(int(rng.integers(1, len(parts))), extra.SerializeToString())
         if unpacked and i == inputs - 1:
-            parts.append(_field(CONTENTS, wire._varint(FP32 << 3 | 5) + np.float32(2.5).tobytes()))
-        tensors.append(_field(INPUTS, b"".join(parts)))
+            parts.append(proto_field(CONTENTS, wire._varint(FP32 << 3 | 5) + np.float32(2.5).tobytes()))
+        tensors.append(proto_field(INPUTS, b"".join(parts)))
     head = pb.ModelInferRequest(model_name="dot_product", id="i" * int(rng.integers(0, 4))).SerializeToString()
     tail = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="outputs")])
     return head + b"".join(tensors) + tail.SerializeToString()
@@ -164,8 +160,8 @@ def test_lifted_typed_contents_are_decoded_in_place_and_their_copies_counted(rep
         for name in ("queries", "keys", "values"):
             parts = [TENSOR(name=name, datatype="FP32", shape=x.shape).SerializeToString()]
             for run in np.array_split(x.ravel(), runs):
-                parts.append(_field(CONTENTS, pb.InferTensorContents(fp32_contents=run).SerializeToString()))
-            tensors.append(_field(INPUTS, b"".join(parts)))
+                parts.append(proto_field(CONTENTS, pb.InferTensorContents(fp32_contents=run).SerializeToString()))
+            tensors.append(proto_field(INPUTS, b"".join(parts)))
         head = pb.ModelInferRequest(model_name="dot_product", id="i" * shift).SerializeToString()
         received, _ = _check().read("ModelInfer", head + b"".join(tensors), pb.ModelInferRequest.FromString)
         cost = Cost(Budget(1 << 30))
