@@ -17,7 +17,6 @@ into their messages (`message_from`): one source for both protocols.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -126,7 +125,8 @@ def decode_for(model: LoadedModel, message: pb.ModelInferRequest, limits: Reques
             tensors[name] = binary_tensor(raw[i], name, shape, datatype, dtype, cost, f"raw_input_contents[{i}]")
             i += 1
         else:
-            tensors[name] = _typed(tensor, name, shape, datatype, dtype, cost, (typed or {}).get, index)
+            lifted = typed.get((index, _CONTENTS.get(datatype, ""))) if typed else None
+            tensors[name] = _typed(tensor, name, shape, datatype, dtype, cost, lifted)
     names = [n for n, _ in requested([{"name": o.name} for o in message.outputs] or None, model, True)]
     request = tensors_request(model, tensors, names, limits)
     request.held = cost.base if cost is not None else 0  # the message lives as long as the call
@@ -164,17 +164,16 @@ def _timeout(parameter: Any) -> float | None:
 
 
 def _typed(tensor: Any, name: str, shape: list[int], datatype: str, dtype: np.dtype, cost: Cost | None,
-           lifted: Callable[[tuple[int, str]], list[memoryview] | None], index: int) -> np.ndarray:
-    """Input `index`'s typed contents: lifted out of the message (`lifted`, by index and field), or parsed."""
+           lifted: list[memoryview] | None = None) -> np.ndarray:
+    """An input's typed contents: the runs of them lifted out of the message (`lifted`), or as parsed."""
     field = _CONTENTS.get(datatype)
     if field is None:
         raise BadRequest(f"input {name}: {datatype} has no typed contents: send it as raw_input_contents")
     count = math.prod(shape)
-    parts = lifted((index, field))
-    if parts is not None:  # packed little-endian values, as raw contents: read in place where aligned
-        if len(parts) > 1 and cost is not None:  # the runs joined: a copy
-            cost.add(sum(map(len, parts)), f"input {name}")
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
+    if lifted is not None:  # packed little-endian values, as raw contents: read in place where aligned
+        if len(lifted) > 1 and cost is not None:  # the runs joined: a copy
+            cost.add(sum(map(len, lifted)), f"input {name}")
+        data = lifted[0] if len(lifted) == 1 else b"".join(lifted)
         if len(data) % dtype.itemsize or len(data) // dtype.itemsize != count:
             raise BadRequest(f"input {name}: contents.{field} holds {len(data) / dtype.itemsize:g} values, shape "
                              f"{shape} takes {count}")
