@@ -1,12 +1,15 @@
 """A large ModelInferRequest is read with its tensors lifted out (service.grpc.guard.MessageCheck.read,
 service.grpc.wire.split): the rest is protobuf's own parse, and the tensors are protobuf's bytes, as views of the
-message received (no copy), wherever the raw fields lie among the others."""
+message received (no copy), wherever the raw fields lie among the others; and so are packed fp32_contents and
+fp64_contents, the lengths of the messages that held them rewritten."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from service.grpc import guard, wire
 from service.grpc.proto import grpc_service_pb2 as pb
@@ -177,3 +180,60 @@ def test_lifted_typed_contents_are_decoded_in_place_and_their_copies_counted(rep
 
 def _aligned(view: memoryview) -> bool:
     return np.frombuffer(view, np.uint8).ctypes.data % 4 == 0
+
+
+_PIECES = st.lists(st.tuples(
+    st.sampled_from(["fp32", "fp64", "int64", "name", "parameter", "contents"]),
+    st.integers(0, 3000)), min_size=0, max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inputs=st.lists(_PIECES, min_size=1, max_size=4), raw=st.integers(0, 2), head=st.integers(0, 3),
+       unpacked=st.booleans())
+def test_any_split_is_protobufs_parse(inputs, raw, head, unpacked):
+    """Inputs of random pieces in random order (packed runs of fp32_contents and fp64_contents, int64_contents,
+    names, parameters, empty contents; merged by protobuf as concatenated), raw contents among them, a
+    message of any size: the split is protobuf's parse, whatever it lifts."""
+    rng = np.random.default_rng(len(inputs) * 7 + raw)
+    parts = [pb.ModelInferRequest(model_name="dot_product", id="i" * head).SerializeToString()]
+    for pieces in inputs:
+        tensor = []
+        for kind, size in pieces:
+            contents = pb.InferTensorContents()
+            if kind == "fp32":
+                contents.fp32_contents.extend(rng.standard_normal(size))
+            elif kind == "fp64":
+                contents.fp64_contents.extend(rng.standard_normal(size))
+            elif kind == "int64":
+                contents.int64_contents.extend(rng.integers(-1000, 1000, size % 50))
+            elif kind == "name":
+                tensor.append(TENSOR(name="x" * (size % 9), shape=[size]).SerializeToString())
+                continue
+            elif kind == "parameter":
+                extra = TENSOR()
+                extra.parameters[f"p{size}"].int64_param = size
+                tensor.append(extra.SerializeToString())
+                continue
+            tensor.append(proto_field(CONTENTS, contents.SerializeToString()))
+        if unpacked and pieces:
+            tensor.append(proto_field(CONTENTS, wire._varint(FP32 << 3 | 5) + np.float32(0.5).tobytes()))
+        parts.append(proto_field(INPUTS, b"".join(tensor)))
+        for _ in range(raw):
+            parts.append(pb.ModelInferRequest(raw_input_contents=[rng.bytes(int(rng.integers(0, 40_000)))])
+                         .SerializeToString())
+    data = b"".join(parts)
+    received, _ = _check().read("ModelInfer", data, pb.ModelInferRequest.FromString)
+
+    whole = pb.ModelInferRequest.FromString(data)
+    raw_views = received.raw or []
+    assert [bytes(v) for v in raw_views] == (list(whole.raw_input_contents) if received.raw is not None else [])
+    if received.raw is not None:
+        whole.ClearField("raw_input_contents")
+    for (i, field), views in (received.typed or {}).items():
+        dtype = "<f4" if field == "fp32_contents" else "<f8"
+        assert b"".join(views) == np.array(getattr(whole.inputs[i].contents, field), dtype).tobytes()
+        whole.inputs[i].contents.ClearField(field)
+    assert received.message == whole
+    assert received.message.SerializeToString() == whole.SerializeToString()
+    if len(data) <= wire.SCAN_BYTES or (unpacked and any(inputs)):
+        assert received.typed is None
