@@ -72,7 +72,6 @@ def main() -> int:
     parser.add_argument("--mib", default="0.25,1,8,24", help="message sizes, MiB")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    check = CHECK
     parse = pb.ModelInferRequest.FromString
 
     print(f"{cpu()}, numpy {np.__version__}; medians of {args.rounds} rounds\n")
@@ -83,8 +82,8 @@ def main() -> int:
         for mib in (float(m) for m in args.mib.split(",")):
             data = message(mib, form)
             whole = _ms(lambda: old_read(data, form), args.rounds)  # noqa: B023
-            read = _ms(lambda: check.read("ModelInfer", data, parse), args.rounds)  # noqa: B023
-            received, _ = check.read("ModelInfer", data, parse)
+            read = _ms(lambda: CHECK.read("ModelInfer", data, parse), args.rounds)  # noqa: B023
+            received, _ = CHECK.read("ModelInfer", data, parse)
             views = received.raw or [v for parts in (received.typed or {}).values() for v in parts]
             copies = _ms(lambda: [np.frombuffer(v, np.uint8).copy() for v in views], args.rounds)  # noqa: B023
             print(f"| {form} | {len(data) / 2**20:.2f} | {whole:.2f} | {read:.3f} | {copies:.2f} |")

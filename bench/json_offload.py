@@ -15,8 +15,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ from compute import cpu  # noqa: E402
 from service.core.runtime import Registry  # noqa: E402
 from service.protocols.attend import decode_body  # noqa: E402
 from tests.load.bodies import json_dense, json_long  # noqa: E402
+from tests.load.gil import longest_wait  # noqa: E402
 
 FORMS = {"long decimals": json_long, "dense": json_dense}
 _registry: Registry | None = None  # loaded before the child is forked: it inherits it
@@ -57,18 +56,9 @@ def _in_child(conn, path: str, size: int) -> list[np.ndarray]:
 
 
 def _timed(work) -> tuple[float, float, object]:
-    """(the longest the main thread waited for the GIL while `work` ran on another, its time), in ms."""
-    done, gaps, result = threading.Event(), [], []
-    worker = threading.Thread(target=lambda: (result.append(work()), done.set()))
-    started = last = time.perf_counter()
-    worker.start()
-    while not done.is_set():
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-        time.sleep(0)
-    worker.join()
-    return max(gaps) * 1e3, (time.perf_counter() - started) * 1e3, result[0]
+    """(the longest a thread beside `work` waited for the GIL, its time) in ms, and its result."""
+    waited, took, result = longest_wait(work)
+    return waited * 1e3, took * 1e3, result
 
 
 def main() -> int:

@@ -31,7 +31,7 @@ from service.core.runtime import LoadedModel
 from service.core.shm import OutputRegion
 from service.grpc.proto import grpc_service_pb2 as pb
 from service.grpc.status import details_of
-from service.grpc.wire import Received
+from service.grpc.wire import Received, varint
 from service.protocols.v2 import (
     BadRequest,
     SharedReads,
@@ -222,16 +222,7 @@ class Wire:
 
 
 def _tag(message: Any, field: str) -> bytes:
-    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)  # length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)  # length-delimited
 
 
 _RAW = _tag(pb.ModelInferResponse, "raw_output_contents")
@@ -245,7 +236,7 @@ def serialized(response: pb.ModelInferResponse, raw: list[bytes], stream: bool =
     over 1 MiB). Serialized fields go in number order, raw_output_contents last: protobuf's own bytes."""
     parts = [response.SerializeToString()]
     for data in raw:
-        parts += (_RAW, _varint(len(data)), data)
+        parts += (_RAW, varint(len(data)), data)
     if stream:
-        parts[:0] = (_IN_STREAM, _varint(sum(map(len, parts))))
+        parts[:0] = (_IN_STREAM, varint(sum(map(len, parts))))
     return Wire(b"".join(parts))

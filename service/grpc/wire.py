@@ -119,13 +119,14 @@ def _without(view: memoryview, pos: int, end: int, lifted: list[_Lifted], depth:
             continue
         (node,) = node
         body = _without(view, node.start, node.stop, list(leaves), depth + 1)
-        parts += [view[pos:node.length_at], _varint(sum(map(len, body)))] + body
+        parts += [view[pos:node.length_at], varint(sum(map(len, body)))] + body
         pos = node.stop
     parts.append(view[pos:end])
     return parts
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """`value` as protobuf writes a varint."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

@@ -166,9 +166,9 @@ def grpc_forms(size: int) -> list[Body]:
 
 def proto_field(number: int, value: bytes) -> bytes:
     """A length-delimited protobuf field, as protobuf writes it."""
-    from service.grpc.wire import _varint
+    from service.grpc.wire import varint
 
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
+    return varint(number << 3 | 2) + varint(len(value)) + value
 
 
 def every_form(size: int) -> list[Body]:

@@ -5,14 +5,13 @@ holds the GIL for a whole call; so does a join of the parts)."""
 from __future__ import annotations
 
 import sys
-import threading
-import time
 
 import numpy as np
 import orjson
 import pytest
 
 from service.protocols.codec import TEXT_AT_ONCE, dumps, json_parts
+from tests.load.gil import longest_wait
 
 SHAPES = [(2, 3), (1, 300, 700), (3, 200, 70), (100_000,), (2, 5, 4000, 2), (40_000, 1), (1, TEXT_AT_ONCE + 1),
           (0, 5), (5, 0, 3)]
@@ -38,25 +37,13 @@ def test_a_thread_writing_a_large_answer_lets_another_run():
             "attention_weights": rng.random((1, 1024, 1536), dtype=np.float32)}
     numbers = 2 * 1024 * 1536
 
-    def longest_wait(write) -> tuple[float, float]:
-        done, gaps = threading.Event(), []
-        writer = threading.Thread(target=lambda: (write(), done.set()))
-        started = last = time.perf_counter()
-        writer.start()
-        while not done.is_set():
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-            time.sleep(0)
-        writer.join()
-        return max(gaps), time.perf_counter() - started
-
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.001)  # the service's (service.core.dataplane)
     try:
-        whole, whole_took = longest_wait(lambda: orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY))
+        whole, whole_took, _ = longest_wait(lambda: orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY))
         # The best of three: on a loaded 2-core host the OS may park either thread for longer than a part.
-        parts, parts_took = min(longest_wait(lambda: json_parts(body, numbers)) for _ in range(3))
+        parts, parts_took, _ = min((longest_wait(lambda: json_parts(body, numbers)) for _ in range(3)),
+                                   key=lambda waited: waited[0])
     finally:
         sys.setswitchinterval(interval)
     assert whole > 0.6 * whole_took  # one call: the main thread waited for (nearly) all of it

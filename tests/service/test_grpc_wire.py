@@ -110,7 +110,7 @@ def _typed_message(rng: np.random.Generator, inputs: int, unpacked: bool = False
         extra.parameters["binary_data_size"].int64_param = i
         parts.insert(int(rng.integers(1, len(parts))), extra.SerializeToString())
         if unpacked and i == inputs - 1:
-            parts.append(proto_field(CONTENTS, wire._varint(FP32 << 3 | 5) + np.float32(2.5).tobytes()))
+            parts.append(proto_field(CONTENTS, wire.varint(FP32 << 3 | 5) + np.float32(2.5).tobytes()))
         tensors.append(proto_field(INPUTS, b"".join(parts)))
     head = pb.ModelInferRequest(model_name="dot_product", id="i" * int(rng.integers(0, 4))).SerializeToString()
     tail = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="outputs")])
@@ -216,7 +216,7 @@ def test_any_split_is_protobufs_parse(inputs, raw, head, unpacked):
                 continue
             tensor.append(proto_field(CONTENTS, contents.SerializeToString()))
         if unpacked and pieces:
-            tensor.append(proto_field(CONTENTS, wire._varint(FP32 << 3 | 5) + np.float32(0.5).tobytes()))
+            tensor.append(proto_field(CONTENTS, wire.varint(FP32 << 3 | 5) + np.float32(0.5).tobytes()))
         parts.append(proto_field(INPUTS, b"".join(tensor)))
         for _ in range(raw):
             parts.append(pb.ModelInferRequest(raw_input_contents=[rng.bytes(int(rng.integers(0, 40_000)))])
