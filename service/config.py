@@ -170,6 +170,9 @@ class Settings(BaseSettings):
     # Bodies up to this size are decoded on the event loop: a hop to a thread costs more than their parse.
     # Larger ones go to a decode thread, so the loop keeps serving meanwhile.
     inline_decode_bytes: int = Field(1024 * 1024, ge=0)
+    # JSON bodies over 1 MiB are parsed in processes of their own, this many a worker, so that the parse does
+    # not hold the event loop's GIL (service.protocols.json_process); 0: on the decode threads.
+    json_processes: int = Field(1, ge=0, le=64)
     # Batches whose session run is predicted (the model's cost: its warm-up runs, then its runs so far;
     # service.core.runcost.RunCost) to take less than this run on the event loop; longer ones on an
     # inference thread.

@@ -43,7 +43,7 @@ from service.core import tracing
 from service.core.batching import BatchLimits, Encoder, Job, Scheduler
 from service.core.control import ModelControl
 from service.core.cost import Budget, Cost
-from service.core.deadline import Within
+from service.core.deadline import Within, on_thread
 from service.core.errors import (
     ClientGone,
     ControlOff,
@@ -64,6 +64,7 @@ from service.core.request import Request, RequestLimits, find_model
 from service.core.runtime import CUDA, LoadedModel, Registry
 from service.core.shm import Regions, SharedMemoryOff
 from service.core.tracesettings import TraceSettings
+from service.protocols.json_process import JsonProcesses
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -83,6 +84,7 @@ class CoreSettings(Protocol):
     flush_denormals: bool
     skip_broken_models: bool
     inline_decode_bytes: int
+    json_processes: int
     max_inflight_bytes: int
     max_device_bytes: int
     workers: int
@@ -168,6 +170,7 @@ class Dataplane:
         self._server_hint: tuple[Sized, Sized] | None = None
         self._transport_hints: list[tuple[Sized, Sized]] = []
         self._decoder: ThreadPoolExecutor | None = None
+        self.json_processes: JsonProcesses | None = None  # large JSON bodies' parse (open(), where the setting asks)
         self.metrics.in_flight_from(lambda: self.in_flight)
         budget = self.budget
         self.metrics.track_limits(lambda: budget.used, budget.limit, settings.max_queue, settings.request_timeout_s)
@@ -199,6 +202,8 @@ class Dataplane:
                                    self.metrics)
         self.scheduler.start()
         self._decoder = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        if settings.json_processes:
+            self.json_processes = JsonProcesses(settings.json_processes)
         # The event loop and the decode threads share the GIL. A decode thread parsing a large body
         # gives it up only when asked, after the switch interval, and the loop asks again after each of
         # its polls: a shorter interval keeps health probes answered under a burst of large bodies
@@ -247,6 +252,8 @@ class Dataplane:
             await self.scheduler.stop()
         if self._decoder is not None:
             self._decoder.shutdown(wait=False)
+        if self.json_processes is not None:
+            self.json_processes.close()
         if self.tracing:
             self.tracing = False
             await asyncio.to_thread(tracing.shutdown)  # the spans still queued sent (bounded), off the loop
@@ -475,6 +482,7 @@ class Dataplane:
         def unless_late() -> T:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request's deadline passed before its body could be decoded")
+            on_thread.until = deadline
             return work(*args)
 
         future = self.loop.run_in_executor(self._decoder, unless_late)

@@ -4,10 +4,15 @@ cancellation (not another's) raised as DeadlineExceeded."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
 from service.core.errors import DeadlineExceeded
+
+# The deadline of the request a decode thread works on (Dataplane.in_thread sets `until`): a decode that waits
+# on another process waits no longer.
+on_thread = threading.local()
 
 
 class Within:

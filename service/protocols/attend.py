@@ -23,6 +23,7 @@ from service.core.cost import (
     json_decode,
     json_expected,
 )
+from service.core.deadline import on_thread
 from service.core.errors import (
     EXCERPT,
     InvalidRequest,
@@ -64,6 +65,8 @@ _WHY_NOT = {
     "masked_softmax": ": it takes the scores",
 }
 _FIELD_SET = frozenset(FIELDS)
+# The fields, and those a decode process reads as arrays, in the dtype the service casts each to.
+_IN_PROCESS = (_FIELD_SET, {**dict.fromkeys(ARRAY_FIELDS, "<f4"), "valid_lens": "<f8"})
 DEFAULT_LIMITS = RequestLimits()
 
 
@@ -147,7 +150,12 @@ def decode_body(body: bytes, registry: Registry, limits: RequestLimits = DEFAULT
     """POST /attend's body -> Request. Raises ServiceError subclasses for bad input, with `.model`
     set to the model's name once it is known (for the metrics' label). `brackets`: the body's count of
     '[', where the caller has it."""
-    data = parse(body, _FIELD_SET)
+    return decode_parsed(parse(body, _FIELD_SET), body, registry, limits, brackets)
+
+
+def decode_parsed(data: dict[str, Any], body: Any, registry: Registry, limits: RequestLimits = DEFAULT_LIMITS,
+                  brackets: int | None = None) -> Request:
+    """decode_body after the parse (`data`: `parse`'s, or a decode process's: service.protocols.json_process)."""
     model = resolve_model(data, registry)
     layout = None
     if len(body) <= SMALL_BODY:
@@ -221,8 +229,16 @@ class AttendCodec:
         if size <= ROUGH_JSON_BYTES and cost.roughly(size + json_bound(size)):
             return decode_body(body, core.registry, core.limits), encode_answer
         commas, brackets = json_counts(body)
-        cost.decoding(json_decode(size, commas, brackets))
-        return decode_body(body, core.registry, core.limits, brackets), encode_answer
+        processes = getattr(core, "json_processes", None)
+        if processes is None or size <= PRECISE_BODY_BYTES:  # (a small body's errors need its parse: precise)
+            cost.decoding(json_decode(size, commas, brackets))
+            return decode_body(body, core.registry, core.limits, brackets), encode_answer
+        # The parse in a process (service.protocols.json_process), and the body's copy it reads.
+        cost.decoding(json_decode(size, commas, brackets) + size)
+        data = processes.parse(body, _IN_PROCESS, getattr(on_thread, "until", None))
+        if data is None:  # the process failed (and was replaced): parsed here
+            return decode_body(body, core.registry, core.limits, brackets), encode_answer
+        return decode_parsed(data, body, core.registry, core.limits, brackets), encode_answer
 
     def error_body(self, error: ServiceError) -> bytes:
         return orjson.dumps(error.body())

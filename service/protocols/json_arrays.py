@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import chain, islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -28,7 +28,7 @@ from service.core.request import MAX_DIMS, finite
 # Numbers beyond float32's range become inf in the cast and are refused just after; NumPy's warning
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
 warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
-                        module=r"service\.(protocols\.(json_arrays|layouts)|core\.request)")
+                        module=r"service\.(protocols\.(json_arrays|json_process|layouts)|core\.request)")
 
 
 _NUMBERS = frozenset({int, float})
@@ -140,11 +140,18 @@ def _parse_slowly(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _fast_array(node: Any) -> tuple[np.ndarray, int] | None:
+class Read(NamedTuple):
+    """An array a decode process read the fast way (service.protocols.json_process): fast_array's answer."""
+
+    array: np.ndarray
+    brackets: int
+
+
+def fast_array(node: Any) -> tuple[np.ndarray, int] | None:
     """(float64 array, the number of JSON arrays it is made of), or None when the node is not a
     rectangular, non-empty array of numbers as far as can be told cheaply."""
     if type(node) is not simdjson.Array:
-        return None
+        return node if node.__class__ is Read else None
     shape = []
     probe = node
     while type(probe) is simdjson.Array:
@@ -372,7 +379,7 @@ class Arrays:
 
 
 def array_of(node: Any, field: str, what: str, arrays: Arrays, precise: bool = True) -> np.ndarray:
-    fast = _fast_array(node)
+    fast = fast_array(node)
     if fast is None:
         arrays.all_fast = False
         if not precise:

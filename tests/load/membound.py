@@ -1,5 +1,6 @@
 """What one request of each form costs in memory: the service's peak resident memory (VmHWM) above its
-idle resident memory, a fresh `python -m service` a form, beside what the service counts for it against
+idle resident memory, its JSON decode process's added (service.protocols.json_process), a fresh `python -m
+service` a form, beside what the service counts for it against
 ATTEND_MAX_INFLIGHT_BYTES (service.core.cost: the same stages, computed here in-process) and their ratio.
 Bodies from tests/load/bodies.py, of about --mib MiB before compression: every form over HTTP, and ModelInfer's
 messages over gRPC; the largest attention weights the limits allow as more rows. Default limits, but a budget
@@ -35,6 +36,7 @@ from service.grpc import guard  # noqa: E402
 from service.grpc.codec import GrpcCodec  # noqa: E402
 from service.grpc.proto import grpc_service_pb2 as pb  # noqa: E402
 from service.protocols.attend import AttendCodec  # noqa: E402
+from service.protocols.json_process import JsonProcesses  # noqa: E402
 from service.protocols.v2 import InferCodec, parse_path  # noqa: E402
 from tests.load.bodies import ATTEND, GRPC, Body, every_form, grpc_forms  # noqa: E402
 from tests.load.report import write_section  # noqa: E402
@@ -100,14 +102,22 @@ def largest_weights(elements: int, model: str = "dot_product", sent: bool = True
                 {"content-type": "application/json"})
 
 
-def counted(body: Body, registry: Registry, settings: Settings) -> tuple[int, str]:
+def decode_processes(pid: int) -> list[int]:
+    """The JSON decode processes of the service `pid`."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"json_process" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def counted(body: Body, registry: Registry, settings: Settings, processes: JsonProcesses | None = None
+            ) -> tuple[int, str]:
     """The most the service holds for `body` in its budget (as service.http.endpoint and service.core
     count it, stage by stage), and how far it got ("ok", or the error's code)."""
     cost = Cost(Budget(1 << 50))
     headers = {k.encode(): v.encode() for k, v in body.headers.items()}
     # What a decode reads of the dataplane: no shared memory; on a thread (no bound on the shared memory it reads).
     core = types.SimpleNamespace(registry=registry, limits=settings.request_limits(), regions=None,
-                                 inline_decode_bytes=settings.inline_decode_bytes, loop_thread=None)
+                                 inline_decode_bytes=settings.inline_decode_bytes, loop_thread=None,
+                                 json_processes=processes)
     try:
         if body.path == GRPC:
             return _counted_grpc(body, core, cost, settings)
@@ -173,23 +183,28 @@ def main() -> int:
     table = ["| form | on the wire MiB | status | counted MiB | peak - idle MiB | peak / counted |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(table))
+    processes = JsonProcesses(settings.json_processes) if settings.json_processes else None
     for body in bodies:
-        estimate, _ = counted(body, registry, settings)
+        estimate, _ = counted(body, registry, settings, processes)
         port = free_port()
         with running_service(args.repository, ATTEND_LOG_LEVEL="warning", ATTEND_INTRA_OP_THREADS="1",
                              ATTEND_MAX_INFLIGHT_BYTES=str(1 << 40), ATTEND_GRPC_PORT=str(port)) as (url, proc):
-            idle = idle_mib(proc.pid)
+            pids = [proc.pid, *decode_processes(proc.pid)]
+            idle = [idle_mib(pid) for pid in pids]
             if body.path == GRPC:
                 status = _send_grpc(f"127.0.0.1:{port}", body)
             else:
                 status = httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers,
                                     timeout=300).status_code
-            peak = status_mib(proc.pid, "VmHWM") - idle
+            # Each process's peak above its idle, added: their peaks may not coincide (an upper bound).
+            peak = sum(status_mib(pid, "VmHWM") - at_idle for pid, at_idle in zip(pids, idle, strict=True))
         # A ratio of a few MiB says nothing: any request moves the peak by ~2 MiB (the refused rows).
         ratio = f"{peak / (estimate / 2**20):.2f}" if estimate >= 8 * 2**20 else "-"
         table.append(f"| {body.name} | {body.wire / 2**20:.1f} | {status} | {estimate / 2**20:.0f} | "
                      f"{peak:.0f} | {ratio} |")
         print(table[-1], flush=True)
+    if processes is not None:
+        processes.close()
     if args.out:
         write_section(args.out, "membound", table)
     return 0

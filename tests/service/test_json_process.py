@@ -1,0 +1,206 @@
+"""Large JSON bodies parsed in a decode process (service.protocols.json_process) give the arrays and errors a
+decode thread gives; the event loop's thread waits for the GIL a fraction as long; a process that dies or runs
+past a deadline is replaced and the service goes on; the server starts one a worker and none outlives it."""
+
+import json
+import os
+import signal
+import time
+import types
+import zlib
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from service.config import Settings
+from service.core.cost import PRECISE_BODY_BYTES, Budget, Cost
+from service.core.errors import DeadlineExceeded, ServiceError
+from service.core.runtime import Registry
+from service.protocols.attend import AttendCodec, attend
+from service.protocols.json_process import JsonProcesses
+from tests.load.bodies import json_dense
+from tests.load.gil import longest_wait
+from tests.server import running_service
+from tests.service.test_bad_input import CASES
+from tests.service.test_decode import _random_body
+
+LIMITS = Settings().request_limits()
+
+
+@pytest.fixture(scope="module")
+def registry(repository):
+    return Registry.load(repository, "cpu", 1)
+
+
+@pytest.fixture(scope="module")
+def processes():
+    processes = JsonProcesses(1)
+    yield processes
+    processes.close()
+
+
+def dead(process: psutil.Process) -> None:
+    """Once `process` is dead, not reaped (its exit code kept for its parent)."""
+    while process.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+
+
+def large(body: bytes) -> bytes:
+    """The body past 1 MiB (where the process takes it): blanks after it, as JSON allows."""
+    return body + b" " * max(0, PRECISE_BODY_BYTES + 1 - len(body))
+
+
+def decoded(body: bytes, registry, processes=None):
+    """What the /attend codec makes of `body`: the feed, or the error (its body and its model label)."""
+    core = types.SimpleNamespace(registry=registry, limits=LIMITS, json_processes=processes)
+    try:
+        request, _ = AttendCodec().decode(core, (None, None), {}, body, Cost(Budget(1 << 40)))
+    except ServiceError as e:
+        return type(e).__name__, e.status, e.body(), e.model
+    return {k: (v.dtype, v.shape, v.tobytes()) for k, v in request.feed.items()} | {
+        "return_weights": request.return_weights, "model": request.model.name}
+
+
+@pytest.mark.parametrize("kind", ["dot_product", "additive", "multi_head", "self_attention", "masked_softmax"])
+def test_a_process_gives_the_arrays_a_thread_gives(registry, processes, kind):
+    rng = np.random.default_rng(zlib.crc32(kind.encode()))
+    for style in ("compact", "indented", "integers", "exponents"):
+        if kind == "masked_softmax":
+            scores = rng.normal(size=(3, 4, 5)).tolist()
+            body = json.dumps({"model": kind, "scores": scores, "valid_lens": [[1, 2, 3, 5]] * 3}).encode()
+        else:
+            body = _random_body(rng, kind, style)
+        body = large(body)
+        thread, process = decoded(body, registry), decoded(body, registry, processes)
+        assert isinstance(thread, dict), thread
+        assert process == thread, body[:200]
+
+
+def test_a_large_body_of_numbers_is_the_same_read_in_a_process(registry, processes):
+    body = json_dense(4 << 20).content
+    thread, process = decoded(body, registry), decoded(body, registry, processes)
+    assert isinstance(thread, dict) and thread["queries"][1][0] > 1, thread.keys()
+    assert process == thread
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if isinstance(c[1], dict | bytes)], ids=lambda c: c[0])
+def test_a_process_gives_the_error_a_thread_gives(registry, processes, case):
+    body = large(case[1] if isinstance(case[1], bytes) else json.dumps(case[1]).encode())
+    thread = decoded(body, registry)
+    assert decoded(body, registry, processes) == thread
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]], "values": [[[1], [[2]]]]}',
+    b'{"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, "4"]]], "values": [[[1], [2]]]}',
+    b'{"model": ["dot_product"], "queries": [[[1, 2]]]}',
+    b'{"model": {"name": "dot_product"}, "queries": [[[1, 2]]]}',
+    b'{"model": "dot_product", "queries": [[[1e39, 2]]], "keys": [[[1, 2], [3, 4]]], "values": [[[1], [2]]]}',
+    b'{"model": "dot_product", "queries": {"a": 1}, "keys": [[[1, 2], [3, 4]]], "values": [[[1], [2]]]}',
+    b'{"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]], "values": [[[1], [2]]], '
+    b'"valid_lens": [16777217]}',
+    b'{"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]], "values": [[[1], [2]]], '
+    b'"return_weights": [true]}',
+    b'{"model": "dot_product", "model": "additive"}',
+    b'{"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]], "values": [[[1], [2]]]',
+])
+def test_what_only_the_service_checks_is_checked_after_a_process(registry, processes, body):
+    """The process reads no model: arrays in the wrong field, float32's overflow, a number past float32's
+    integers in valid_lens, a value of the wrong type are the service's to refuse, as from a thread."""
+    body = large(body)
+    thread = decoded(body, registry)
+    assert isinstance(thread, tuple), thread
+    assert decoded(body, registry, processes) == thread
+
+
+def test_the_event_loop_waits_a_fraction_as_long(registry, processes):
+    body = json_dense(8 << 20).content
+    core = types.SimpleNamespace(registry=registry, limits=LIMITS, json_processes=processes)
+    thread = min(longest_wait(lambda: decoded(body, registry))[0] for _ in range(2))
+    process = min(longest_wait(lambda: AttendCodec().decode(core, (None, None), {}, body, Cost(Budget(1 << 40))))[0]
+                  for _ in range(2))
+    assert process < thread / 3, (process, thread)
+
+
+def test_the_process_and_the_body_copy_it_reads_are_counted(registry, processes):
+    body = json_dense(4 << 20).content
+    costs = []
+    for core_processes in (None, processes):
+        cost = Cost(Budget(1 << 40))
+        core = types.SimpleNamespace(registry=registry, limits=LIMITS, json_processes=core_processes)
+        AttendCodec().decode(core, (None, None), {}, body, cost)
+        costs.append(cost.peak)
+    assert costs[1] == costs[0] + len(body)
+
+
+def test_a_process_that_dies_is_replaced_and_its_body_decoded_all_the_same(registry, caplog):
+    processes = JsonProcesses(1)
+    try:
+        body = large(json.dumps({"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]],
+                                 "values": [[[1], [2]]]}).encode())
+        expected = decoded(body, registry)
+        first = processes.pids()[0]
+        os.kill(first, signal.SIGKILL)
+        dead(psutil.Process(first))
+        assert decoded(body, registry, processes) == expected  # parsed on the thread
+        assert processes.replaced == 1 and processes.pids()[0] != first
+        assert "a JSON decode process failed" in caplog.text and "exit -9" in caplog.text
+        assert decoded(body, registry, processes) == expected and processes.replaced == 1  # by the new one
+    finally:
+        processes.close()
+    assert not psutil.pid_exists(processes.pids()[0]) or psutil.Process(processes.pids()[0]).status() == "zombie"
+
+
+def test_a_process_past_the_deadline_is_replaced(registry):
+    processes = JsonProcesses(1)
+    try:
+        body = json_dense(16 << 20).content
+        first = processes.pids()[0]
+        with pytest.raises(DeadlineExceeded):
+            processes.parse(body, ({"model", "queries", "keys", "values"}, {"queries": "<f4"}),
+                            time.monotonic() + 0.005)
+        assert processes.replaced == 1 and processes.pids()[0] != first and not psutil.pid_exists(first)
+        small = large(b'{"model": "dot_product", "queries": [[[1, 2]]]}')
+        data = processes.parse(small, ({"model", "queries"}, {"queries": "<f4"}), None)
+        assert data["model"] == "dot_product" and data["queries"].array.tolist() == [[[1.0, 2.0]]]
+    finally:
+        processes.close()
+
+
+def _decode_processes(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "service.protocols.json_process" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(repository, registry, workers):
+    body = large(json.dumps({"model": "dot_product", "queries": np.ones((2, 3, 4)).tolist(),
+                             "keys": np.ones((2, 5, 4)).tolist(), "values": np.ones((2, 5, 2)).tolist(),
+                             "valid_lens": [2, 5]}).encode())
+    expected = json.loads(attend(body, registry, LIMITS))
+    with running_service(repository, ATTEND_WORKERS=str(workers)) as (url, proc):
+        deadline = time.monotonic() + 60  # ready: one worker is; the others' come as they open
+        while len(children := _decode_processes(proc.pid)) < workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(children) == workers, children
+        answer = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert answer.status_code == 200 and answer.json() == expected
+        children[0].kill()
+        dead(children[0])
+        for _ in range(2 * workers):  # each worker: the one whose process died decodes it on its thread
+            answer = httpx.post(f"{url}/attend", content=body, timeout=60)
+            assert answer.status_code == 200 and answer.json() == expected
+        if workers == 1:
+            assert [p.pid for p in _decode_processes(proc.pid)] != [children[0].pid]
+        children = _decode_processes(proc.pid)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), children
+
+
+def test_none_where_the_setting_says_none(repository):
+    with running_service(repository, ATTEND_JSON_PROCESSES="0") as (url, proc):
+        assert _decode_processes(proc.pid) == []
+        body = large(json.dumps({"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]],
+                                 "values": [[[1], [2]]]}).encode())
+        assert httpx.post(f"{url}/attend", content=body, timeout=60).status_code == 200
