@@ -5,16 +5,27 @@ codec's decode (service.protocols.attend.AttendCodec.decode) as the service runs
 (tests/load/bodies.py), the longest a thread ticking beside it waited for the GIL (the event loop's wait) and
 the decode's time, medians over rounds.
 
-    python bench/json_offload.py [--mib 24] [--rounds 3] [--repository model_repository]
+Then served (unless --served-seconds 0): the service on one core and on two (taskset), processes 0 and 1, two
+clients sending large bodies back to back while a third sends the book's toy request one at a time: the toy
+requests a second and their p50, p99 and longest, and the large bodies a second.
+
+    python bench/json_offload.py [--mib 24] [--rounds 3] [--served-mib 8] [--served-seconds 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
+import threading
+import time
 import types
 from pathlib import Path
+
+import httpx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,10 +36,12 @@ from compute import cpu  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.core.cost import Budget, Cost  # noqa: E402
 from service.core.runtime import Registry  # noqa: E402
+from service.http.schemas import toy_request  # noqa: E402
 from service.protocols.attend import AttendCodec  # noqa: E402
 from service.protocols.json_process import JsonProcesses  # noqa: E402
 from tests.load.bodies import json_dense, json_long  # noqa: E402
 from tests.load.gil import longest_wait  # noqa: E402
+from tests.server import running_service  # noqa: E402
 
 FORMS = {"long decimals": json_long, "dense": json_dense}
 
@@ -39,11 +52,46 @@ def _timed(core: types.SimpleNamespace, body: bytes) -> tuple[float, float]:
     return waited * 1e3, took * 1e3
 
 
+def served(repository: Path, cores: str, processes: str, large: bytes, seconds: float) -> list[float]:
+    """[toy requests a second, their p50, p99 and longest ms, large bodies a second] with the service on `cores`."""
+    toy = json.dumps(toy_request()).encode()
+    with running_service(repository, prefix=("taskset", "-c", cores), ATTEND_JSON_PROCESSES=processes,
+                         ATTEND_INTRA_OP_THREADS="1", ATTEND_MAX_INFLIGHT_BYTES=str(4 << 30)) as (url, _):
+        stop, large_done = threading.Event(), []
+
+        def send_large() -> None:
+            with httpx.Client(base_url=url, timeout=120) as client:
+                while not stop.is_set():
+                    answer = client.post("/attend", content=large, headers={"content-type": "application/json"})
+                    assert answer.status_code == 200, answer.text[:300]
+                    large_done.append(1)
+
+        senders = [threading.Thread(target=send_large) for _ in range(2)]
+        times = []
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for _ in range(50):  # warm: the toy request's plan, the connection
+                client.post("/attend", content=toy)
+            for sender in senders:
+                sender.start()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                start = time.perf_counter()
+                assert client.post("/attend", content=toy).status_code == 200
+                times.append(time.perf_counter() - start)
+        stop.set()
+        for sender in senders:
+            sender.join()
+    ms = np.array(times) * 1e3
+    return [len(ms) / seconds, *np.percentile(ms, [50, 99]), ms.max(), len(large_done) / seconds]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=float, default=24.0, help="each body's size, MiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--served-mib", type=float, default=8.0, help="the large bodies' size when served, MiB")
+    parser.add_argument("--served-seconds", type=float, default=8.0, help="a point's time served; 0: none")
     args = parser.parse_args()
     sys.setswitchinterval(0.001)  # the service's (service.core.dataplane)
     registry = Registry.load(args.repository, "cpu", 1)
@@ -67,6 +115,18 @@ def main() -> int:
             print(f"| {form} | " + " | ".join(f"{cell:.1f}" for cell in cells) + " |")
     finally:
         processes.close()
+    if args.served_seconds <= 0 or len(os.sched_getaffinity(0)) < 2:
+        return 0
+    print(f"\nServed, {args.served_mib:g} MiB large bodies, {args.served_seconds:g} s a point:\n")
+    print("| form | cores | processes | toy requests / s | p50 ms | p99 ms | longest ms | large bodies / s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for form, make in FORMS.items():
+        large = make(int(args.served_mib * 2**20)).content
+        for cores in ("0", "0,1"):
+            for count in ("0", "1"):
+                row = served(args.repository, cores, count, large, args.served_seconds)
+                print(f"| {form} | {cores} | {count} | {row[0]:.0f} | {row[1]:.1f} | {row[2]:.1f} | {row[3]:.0f} | "
+                      f"{row[4]:.1f} |", flush=True)
     return 0
 
 

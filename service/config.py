@@ -9,7 +9,7 @@ import ssl
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -171,8 +171,10 @@ class Settings(BaseSettings):
     # Larger ones go to a decode thread, so the loop keeps serving meanwhile.
     inline_decode_bytes: int = Field(1024 * 1024, ge=0)
     # JSON bodies over 1 MiB are parsed in processes of their own, this many a worker, so that the parse does
-    # not hold the event loop's GIL (service.protocols.json_process); 0: on the decode threads.
-    json_processes: int = Field(1, ge=0, le=64)
+    # not hold the event loop's GIL (service.protocols.json_process); 0: on the decode threads. auto: one where
+    # a worker has a core to spare; on one core the process's copies cost a large body more than the loop gains
+    # (docs/reliability.md).
+    json_processes: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     # Batches whose session run is predicted (the model's cost: its warm-up runs, then its runs so far;
     # service.core.runcost.RunCost) to take less than this run on the event loop; longer ones on an
     # inference thread.
@@ -226,6 +228,9 @@ class Settings(BaseSettings):
 
     def resolved_inference_threads(self) -> int:
         return self.inference_threads or min(2, self.cores())
+
+    def resolved_json_processes(self) -> int:
+        return (1 if self.cores() >= 2 else 0) if self.json_processes == "auto" else self.json_processes
 
 
 def is_auto(value: object) -> bool:

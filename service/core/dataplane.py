@@ -84,7 +84,6 @@ class CoreSettings(Protocol):
     flush_denormals: bool
     skip_broken_models: bool
     inline_decode_bytes: int
-    json_processes: int
     max_inflight_bytes: int
     max_device_bytes: int
     workers: int
@@ -100,6 +99,7 @@ class CoreSettings(Protocol):
     def batch_limits(self) -> BatchLimits: ...
     def resolved_intra_op_threads(self) -> int: ...
     def resolved_inference_threads(self) -> int: ...
+    def resolved_json_processes(self) -> int: ...
     def api_key_list(self) -> tuple[bytes, ...]: ...
     def admin_key_list(self) -> tuple[bytes, ...]: ...
 
@@ -202,8 +202,8 @@ class Dataplane:
                                    self.metrics)
         self.scheduler.start()
         self._decoder = ThreadPoolExecutor(threads, thread_name_prefix="decode")
-        if settings.json_processes:
-            self.json_processes = JsonProcesses(settings.json_processes)
+        if settings.resolved_json_processes():
+            self.json_processes = JsonProcesses(settings.resolved_json_processes())
         # The event loop and the decode threads share the GIL. A decode thread parsing a large body
         # gives it up only when asked, after the switch interval, and the loop asks again after each of
         # its polls: a shorter interval keeps health probes answered under a burst of large bodies

@@ -79,14 +79,15 @@ def large_not_json(error: Exception) -> InvalidJSON:
 _threads = threading.local()
 
 
-def _document(body: bytes) -> Any:
+def _document(body: bytes, parser: simdjson.Parser | None = None) -> Any:
     """simdjson's parse of `body`. A small body takes its thread's own parser, kept from body to body:
     a fresh one would allocate buffers as large as the body each time. A larger
-    body takes a fresh parser, whose buffers go with it; so does a small one while the thread's is busy
-    (proxies of its last document still alive: an error's traceback can hold some)."""
-    if len(body) > SMALL_BODY:
+    body takes a fresh parser, whose buffers go with it, unless the caller gives one (a decode process's);
+    so does a body while the parser is busy (proxies of its last document still alive: an error's traceback
+    can hold some)."""
+    if parser is None and len(body) > SMALL_BODY:
         return simdjson.Parser().parse(body)
-    parser = getattr(_threads, "parser", None)
+    parser = parser or getattr(_threads, "parser", None)
     if parser is None:
         parser = _threads.parser = simdjson.Parser()
     try:
@@ -97,15 +98,16 @@ def _document(body: bytes) -> Any:
         return simdjson.Parser().parse(body)
 
 
-def parse(body: bytes, fields: Collection[str]) -> dict[str, Any]:
+def parse(body: bytes, fields: Collection[str], parser: simdjson.Parser | None = None) -> dict[str, Any]:
     """The top-level object: values are simdjson proxies (arrays) or plain values. Raises InvalidJSON.
     `fields`: the keys it may hold. Of an object with more, only the first len(fields) + 1 are read, among
     which one is unknown or repeated: simdjson finds a key by reading the keys before it, so reading all
-    of an object's keys takes their square (40 k keys took 5.4 s of a decode thread, 2 M would take days)."""
+    of an object's keys takes their square (40 k keys took 5.4 s of a decode thread, 2 M would take days).
+    `parser`: the one to use, for any body (see `_document`)."""
     if not body:
         raise InvalidJSON("the request body is empty; expected a JSON object")
     try:
-        document = _document(body)
+        document = _document(body, parser)
     except (ValueError, RuntimeError, UnicodeDecodeError) as e:
         if len(body) > PRECISE_BODY_BYTES:  # the slow way holds every number as a Python object, twice
             raise large_not_json(e) from None

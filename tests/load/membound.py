@@ -183,7 +183,8 @@ def main() -> int:
     table = ["| form | on the wire MiB | status | counted MiB | peak - idle MiB | peak / counted |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(table))
-    processes = JsonProcesses(settings.json_processes) if settings.json_processes else None
+    count = settings.resolved_json_processes()
+    processes = JsonProcesses(count) if count else None
     for body in bodies:
         estimate, _ = counted(body, registry, settings, processes)
         port = free_port()

@@ -170,8 +170,15 @@ def test_a_process_past_the_deadline_is_replaced(registry):
 
 
 def _decode_processes(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "service.protocols.json_process" in " ".join(p.cmdline())]
+    """The live decode processes of the service `pid` and its workers."""
+    found = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            if "service.protocols.json_process" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.ZombieProcess:  # dead, not yet reaped
+            pass
+    return found
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -180,7 +187,7 @@ def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(reposit
                              "keys": np.ones((2, 5, 4)).tolist(), "values": np.ones((2, 5, 2)).tolist(),
                              "valid_lens": [2, 5]}).encode())
     expected = json.loads(attend(body, registry, LIMITS))
-    with running_service(repository, ATTEND_WORKERS=str(workers)) as (url, proc):
+    with running_service(repository, ATTEND_WORKERS=str(workers), ATTEND_JSON_PROCESSES="1") as (url, proc):
         deadline = time.monotonic() + 60  # ready: one worker is; the others' come as they open
         while len(children := _decode_processes(proc.pid)) < workers and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -198,9 +205,19 @@ def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(reposit
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), children
 
 
-def test_none_where_the_setting_says_none(repository):
-    with running_service(repository, ATTEND_JSON_PROCESSES="0") as (url, proc):
-        assert _decode_processes(proc.pid) == []
+@pytest.mark.parametrize(("cores", "workers", "count"), [(1, 1, 0), (2, 1, 1), (2, 2, 0), (4, 2, 1), (64, 1, 1)])
+def test_auto_is_one_where_a_worker_has_a_core_to_spare(monkeypatch, cores, workers, count):
+    monkeypatch.setattr("service.config.usable_cores", lambda: cores)
+    assert Settings(workers=workers).resolved_json_processes() == count
+    assert Settings(workers=workers, json_processes=3).resolved_json_processes() == 3
+
+
+@pytest.mark.parametrize(("pin", "setting", "count"), [("0", "0", 0), ("0", "auto", 0), ("0,1", "auto", 1)])
+def test_none_where_the_setting_says_none(repository, pin, setting, count):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores to let the service use both")
+    with running_service(repository, prefix=("taskset", "-c", pin), ATTEND_JSON_PROCESSES=setting) as (url, proc):
+        assert len(_decode_processes(proc.pid)) == count
         body = large(json.dumps({"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]],
                                  "values": [[[1], [2]]]}).encode())
         assert httpx.post(f"{url}/attend", content=body, timeout=60).status_code == 200
