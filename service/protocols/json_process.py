@@ -30,6 +30,7 @@ import simdjson
 
 from service.core.errors import DeadlineExceeded, ServiceError
 from service.core.memory import trim_memory
+from service.core.sessions import StartupError
 from service.protocols.json_arrays import Read, fast_array, parse
 
 log = logging.getLogger("service")
@@ -41,8 +42,11 @@ _IDLE_S = 2.0  # a child without a body for this long frees its parser and trims
 _LONGEST_S = 60.0  # a parse's wait where no request deadline is known (the child's parse is linear in the body)
 
 
+_READY = b"ready"  # a child's first message, once its imports are done
+
+
 class _Child:
-    __slots__ = ("process", "socket")
+    __slots__ = ("process", "socket", "started")
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -54,8 +58,18 @@ class _Child:
                                         start_new_session=True, env=os.environ | {"PYTHONPATH": path})
         theirs.close()
         self.socket = ours
+        self.started = False
+
+    def wait_started(self, until: float) -> None:
+        """Until the child says it is ready (its imports take a few hundred ms)."""
+        if not self.started:
+            self.socket.settimeout(max(until - time.monotonic(), 0.001))
+            if self.socket.recv(16) != _READY:
+                raise EOFError(f"the decode process did not start (exit {self.process.wait()})")
+            self.started = True
 
     def parse(self, body: Any, fields: tuple[frozenset[str], dict[str, str]], until: float) -> dict[str, Any]:
+        self.wait_started(until)
         size = len(body)
         fd = os.memfd_create("attend-body", os.MFD_CLOEXEC)
         try:
@@ -104,9 +118,17 @@ class JsonProcesses:
     def __init__(self, count: int):
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
         self._children = [_Child() for _ in range(count)]
+        try:  # started, or the service does not start: a broken install says so at once, not at a large body
+            for child in self._children:
+                child.wait_started(time.monotonic() + _LONGEST_S)
+        except (OSError, EOFError) as e:
+            self.close()
+            raise StartupError(f"a JSON decode process did not start ({e}); its error is above. "
+                               "ATTEND_JSON_PROCESSES=0 parses large bodies on the decode threads") from None
         for child in self._children:
             self._idle.put(child)
         self.replaced = 0
+        self.closed = False
 
     def parse(self, body: Any, fields: tuple[frozenset[str], dict[str, str]], until: float | None
               ) -> dict[str, Any] | None:
@@ -136,6 +158,8 @@ class JsonProcesses:
     def _replace(self, child: _Child, why: str) -> None:
         code = child.process.poll()
         child.stop()
+        if self.closed:  # the server is stopping: a decode still under way when it did
+            return
         log.warning("a JSON decode process %s%s; starting another", why, "" if code is None else f" (exit {code})")
         fresh = _Child()
         self._children[self._children.index(child)] = fresh
@@ -146,6 +170,7 @@ class JsonProcesses:
         return [child.process.pid for child in self._children]
 
     def close(self) -> None:
+        self.closed = True
         for child in self._children:
             child.stop()
 
@@ -218,7 +243,9 @@ def _serve(sock: socket.socket) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server says when to go: it closes the socket
-    _serve(socket.socket(fileno=int(sys.argv[1])))
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock.send(_READY)
+    _serve(sock)
 
 
 if __name__ == "__main__":

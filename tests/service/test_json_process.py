@@ -18,6 +18,7 @@ from service.config import Settings
 from service.core.cost import PRECISE_BODY_BYTES, Budget, Cost
 from service.core.errors import DeadlineExceeded, ServiceError
 from service.core.runtime import Registry
+from service.core.sessions import StartupError
 from service.protocols.attend import AttendCodec, attend
 from service.protocols.json_process import JsonProcesses
 from tests.load.bodies import json_dense
@@ -221,3 +222,18 @@ def test_none_where_the_setting_says_none(repository, pin, setting, count):
         body = large(json.dumps({"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]],
                                  "values": [[[1], [2]]]}).encode())
         assert httpx.post(f"{url}/attend", content=body, timeout=60).status_code == 200
+
+
+def test_a_decode_under_way_as_the_server_stops_starts_no_process():
+    processes = JsonProcesses(1)
+    first = processes.pids()[0]
+    processes.close()
+    body = large(b'{"model": "dot_product", "queries": [[[1, 2]]]}')
+    assert processes.parse(body, ({"model", "queries"}, {"queries": "<f4"}), None) is None  # on the thread, then
+    assert processes.pids() == [first] and processes.replaced == 0 and not psutil.pid_exists(first)
+
+
+def test_a_process_that_cannot_start_stops_the_start(monkeypatch):
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    with pytest.raises(StartupError, match=r"decode process did not start \(.*exit 1\).*ATTEND_JSON_PROCESSES=0"):
+        JsonProcesses(1)
