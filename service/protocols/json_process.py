@@ -35,13 +35,11 @@ from service.protocols.json_arrays import Read, fast_array, parse
 
 log = logging.getLogger("service")
 
-_SIZE = struct.Struct("<QQ")  # a message's two numbers: the body's size; the reply's offset and length
+_SIZE = struct.Struct("<QQ")  # a body's size (and 0); a reply's: where its pickle starts, and its length
 _ALIGN = 64  # where each array starts in the reply (ONNX Runtime reads aligned data in place)
 _ROOT = str(Path(__file__).resolve().parents[2])
 _IDLE_S = 2.0  # a child without a body for this long frees its parser and trims its heap
 _LONGEST_S = 60.0  # a parse's wait where no request deadline is known (the child's parse is linear in the body)
-
-
 _READY = b"ready"  # a child's first message, once its imports are done
 
 
@@ -217,9 +215,9 @@ def _serve(sock: socket.socket) -> None:
             parser = None
             trim_memory()
             continue
-        parser = parser or simdjson.Parser()
         if not message:
             return  # the server closed its end
+        parser = parser or simdjson.Parser()
         size = _SIZE.unpack_from(message)[0]
         fields, arrays_in = pickle.loads(message[_SIZE.size:])
         with mmap.mmap(fds[0], size, prot=mmap.PROT_READ) as body:
