@@ -64,7 +64,6 @@ from service.core.request import Request, RequestLimits, find_model
 from service.core.runtime import CUDA, LoadedModel, Registry
 from service.core.shm import Regions, SharedMemoryOff
 from service.core.tracesettings import TraceSettings
-from service.protocols.json_process import JsonProcesses
 
 log = logging.getLogger("service")
 T = TypeVar("T")
@@ -99,7 +98,6 @@ class CoreSettings(Protocol):
     def batch_limits(self) -> BatchLimits: ...
     def resolved_intra_op_threads(self) -> int: ...
     def resolved_inference_threads(self) -> int: ...
-    def resolved_json_processes(self) -> int: ...
     def api_key_list(self) -> tuple[bytes, ...]: ...
     def admin_key_list(self) -> tuple[bytes, ...]: ...
 
@@ -170,7 +168,8 @@ class Dataplane:
         self._server_hint: tuple[Sized, Sized] | None = None
         self._transport_hints: list[tuple[Sized, Sized]] = []
         self._decoder: ThreadPoolExecutor | None = None
-        self.json_processes: JsonProcesses | None = None  # large JSON bodies' parse (open(), where the setting asks)
+        # Large JSON bodies' parse in processes (service.protocols.json_process), where the app set them up.
+        self.json_processes: Any = None
         self.metrics.in_flight_from(lambda: self.in_flight)
         budget = self.budget
         self.metrics.track_limits(lambda: budget.used, budget.limit, settings.max_queue, settings.request_timeout_s)
@@ -202,8 +201,6 @@ class Dataplane:
                                    self.metrics)
         self.scheduler.start()
         self._decoder = ThreadPoolExecutor(threads, thread_name_prefix="decode")
-        if settings.resolved_json_processes():
-            self.json_processes = JsonProcesses(settings.resolved_json_processes())
         # The event loop and the decode threads share the GIL. A decode thread parsing a large body
         # gives it up only when asked, after the switch interval, and the loop asks again after each of
         # its polls: a shorter interval keeps health probes answered under a burst of large bodies
@@ -252,8 +249,6 @@ class Dataplane:
             await self.scheduler.stop()
         if self._decoder is not None:
             self._decoder.shutdown(wait=False)
-        if self.json_processes is not None:
-            self.json_processes.close()
         if self.tracing:
             self.tracing = False
             await asyncio.to_thread(tracing.shutdown)  # the spans still queued sent (bounded), off the loop

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ from service.core.runtime import Registry
 from service.http.endpoint import InferenceEndpoint, RequestContext, error_body, inference_route
 from service.http.routes import attend, health, models, page, v2
 from service.protocols.attend import AttendCodec
+from service.protocols.json_process import JsonProcesses, NotStarted
 from service.protocols.v2 import InferCodec, parse_path
 
 log = logging.getLogger("service")
@@ -65,13 +67,25 @@ async def _lifespan(app: AttendApp) -> AsyncIterator[None]:
     """The core opened (models loaded, unless given, and warmed up; the batching started) before the
     app takes requests, and closed after."""
     dataplane = app.state.dataplane
-    await dataplane.open()
-    log.info(access_line(app.state.settings, dataplane.model_control))
+    count = app.state.settings.resolved_json_processes()
+    processes = None
+    if count:  # started before the core, on a thread: their imports take a few hundred ms
+        try:
+            processes = await asyncio.to_thread(JsonProcesses, count)
+        except NotStarted as e:  # the service works without them, as with ATTEND_JSON_PROCESSES=0
+            log.warning("%s", e)
+    dataplane.json_processes = processes
     try:
-        yield
+        await dataplane.open()
+        log.info(access_line(app.state.settings, dataplane.model_control))
+        try:
+            yield
+        finally:
+            await dataplane.close()
+            flush_logs()
     finally:
-        await dataplane.close()
-        flush_logs()
+        if processes is not None:
+            processes.close()
 
 
 def access_line(settings: Settings, model_control: bool) -> str:

@@ -30,7 +30,6 @@ import simdjson
 
 from service.core.errors import DeadlineExceeded, ServiceError
 from service.core.memory import trim_memory
-from service.core.sessions import StartupError
 from service.protocols.json_arrays import Read, fast_array, parse
 
 log = logging.getLogger("service")
@@ -41,6 +40,10 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 _IDLE_S = 2.0  # a child without a body for this long frees its parser and trims its heap
 _LONGEST_S = 60.0  # a parse's wait where no request deadline is known (the child's parse is linear in the body)
 _READY = b"ready"  # a child's first message, once its imports are done
+
+
+class NotStarted(RuntimeError):
+    """A decode process did not start (the message says so in one line)."""
 
 
 class _Child:
@@ -63,7 +66,7 @@ class _Child:
         if not self.started:
             self.socket.settimeout(max(until - time.monotonic(), 0.001))
             if self.socket.recv(16) != _READY:
-                raise EOFError(f"the decode process did not start (exit {self.process.wait()})")
+                raise EOFError(f"exit {self.process.wait()}")
             self.started = True
 
     def parse(self, body: Any, fields: tuple[frozenset[str], dict[str, str]], until: float) -> dict[str, Any]:
@@ -116,13 +119,13 @@ class JsonProcesses:
     def __init__(self, count: int):
         self._idle: queue.SimpleQueue[_Child] = queue.SimpleQueue()
         self._children = [_Child() for _ in range(count)]
-        try:  # started, or the service does not start: a broken install says so at once, not at a large body
+        try:  # a broken install says so at the start, not at the first large body
             for child in self._children:
                 child.wait_started(time.monotonic() + _LONGEST_S)
         except (OSError, EOFError) as e:
             self.close()
-            raise StartupError(f"a JSON decode process did not start ({e}); its error is above. "
-                               "ATTEND_JSON_PROCESSES=0 parses large bodies on the decode threads") from None
+            raise NotStarted(f"a JSON decode process did not start ({e}; its error is above): large JSON bodies "
+                             "are parsed on the decode threads") from None
         for child in self._children:
             self._idle.put(child)
         self.replaced = 0
@@ -148,17 +151,20 @@ class JsonProcesses:
             self._replace(child, "ran past a request's deadline")
             raise DeadlineExceeded("the request's deadline passed before its body was decoded") from None
         except Exception as e:  # it died, or said nothing that makes sense
-            self._replace(child, f"failed ({type(e).__name__})")
+            try:  # its socket closes as it exits: its exit code comes a moment later
+                why = f"failed ({type(e).__name__}, exit {child.process.wait(1)})"
+            except subprocess.TimeoutExpired:
+                why = f"failed ({type(e).__name__})"
+            self._replace(child, why)
             return None
         self._idle.put(child)
         return data
 
     def _replace(self, child: _Child, why: str) -> None:
-        code = child.process.poll()
         child.stop()
         if self.closed:  # the server is stopping: a decode still under way when it did
             return
-        log.warning("a JSON decode process %s%s; starting another", why, "" if code is None else f" (exit {code})")
+        log.warning("a JSON decode process %s; starting another", why)
         fresh = _Child()
         self._children[self._children.index(child)] = fresh
         self.replaced += 1

@@ -13,14 +13,15 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+from fastapi.testclient import TestClient
 
 from service.config import Settings
 from service.core.cost import PRECISE_BODY_BYTES, Budget, Cost
 from service.core.errors import DeadlineExceeded, ServiceError
 from service.core.runtime import Registry
-from service.core.sessions import StartupError
+from service.http.app import create_app
 from service.protocols.attend import AttendCodec, attend
-from service.protocols.json_process import JsonProcesses
+from service.protocols.json_process import JsonProcesses, NotStarted
 from tests.load.bodies import json_dense
 from tests.load.gil import longest_wait
 from tests.server import running_service
@@ -147,7 +148,7 @@ def test_a_process_that_dies_is_replaced_and_its_body_decoded_all_the_same(regis
         dead(psutil.Process(first))
         assert decoded(body, registry, processes) == expected  # parsed on the thread
         assert processes.replaced == 1 and processes.pids()[0] != first
-        assert "a JSON decode process failed" in caplog.text and "exit -9" in caplog.text
+        assert "a JSON decode process failed" in caplog.text and "exit -9)" in caplog.text
         assert decoded(body, registry, processes) == expected and processes.replaced == 1  # by the new one
     finally:
         processes.close()
@@ -233,7 +234,20 @@ def test_a_decode_under_way_as_the_server_stops_starts_no_process():
     assert processes.pids() == [first] and processes.replaced == 0 and not psutil.pid_exists(first)
 
 
-def test_a_process_that_cannot_start_stops_the_start(monkeypatch):
+def test_a_process_that_cannot_start_says_so_at_the_start(monkeypatch):
     monkeypatch.setattr("sys.executable", "/bin/false")
-    with pytest.raises(StartupError, match=r"decode process did not start \(.*exit 1\).*ATTEND_JSON_PROCESSES=0"):
+    with pytest.raises(NotStarted, match=r"^a JSON decode process did not start \(exit 1; its error is above\): "
+                                         r"large JSON bodies are parsed on the decode threads$"):
         JsonProcesses(1)
+
+
+def test_a_service_whose_process_cannot_start_serves_without(repository, registry, monkeypatch, caplog):
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    app = create_app(Settings(model_repository=repository, device="cpu", json_processes=1))
+    with TestClient(app) as client:
+        assert app.state.dataplane.json_processes is None
+        assert "a JSON decode process did not start (exit 1" in caplog.text
+        body = large(b'{"model": "dot_product", "queries": [[[1, 2]]], "keys": [[[1, 2], [3, 4]]], '
+                     b'"values": [[[1], [2]]]}')
+        answer = client.post("/attend", content=body)
+        assert answer.status_code == 200 and answer.json() == json.loads(attend(body, registry, LIMITS))
