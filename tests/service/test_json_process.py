@@ -44,9 +44,13 @@ def processes():
 
 
 def dead(process: psutil.Process) -> None:
-    """Once `process` is dead, not reaped (its exit code kept for its parent)."""
-    while process.status() != psutil.STATUS_ZOMBIE:
-        time.sleep(0.01)
+    """Once `process` is dead: not reaped (its exit code kept for its parent), or gone (a server's worker may
+    have reaped it already)."""
+    try:
+        while process.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+    except psutil.NoSuchProcess:
+        pass
 
 
 def large(body: bytes) -> bytes:
