@@ -15,10 +15,12 @@ def longest_wait(work: Callable[[], Any]) -> tuple[float, float, Any]:
     worker = threading.Thread(target=lambda: (result.append(work()), done.set()))
     started = last = time.perf_counter()
     worker.start()
-    while not done.is_set():
+    while True:  # a tick after the work too: a worker that ran to its end before the first tick held it all
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
+        if done.is_set():
+            break
         time.sleep(0)
     worker.join()
     return max(gaps), time.perf_counter() - started, result[0]

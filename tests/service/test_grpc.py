@@ -556,6 +556,10 @@ def test_grpc_health_watch_says_each_change_and_ends_at_sigterm(repository, tmp_
         checked.close()
         unknown_call.cancel()
         assert unknown.get(timeout=10)[0] == grpc.StatusCode.CANCELLED
+        # The server learns of the cancel a moment later: a SIGTERM before it would end that stream 503.
+        cancelled = time.monotonic() + 10
+        while not re.search(r"GRPC Watch 499 \d+\.\dms", log.read_text()) and time.monotonic() < cancelled:
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert watched.get(timeout=10) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert watched.get(timeout=10) == (grpc.StatusCode.UNAVAILABLE,
