@@ -12,6 +12,12 @@ from typing import Any
 # threshold is no lower than a large body's buffers; no higher, so that memory goes back to the system
 # after a burst of large bodies. 4 MiB holds both; docs/reliability.md has the runs that chose it.
 _MMAP_THRESHOLD = 4 * 1024 * 1024
+ALIGN = 64  # bytes where tensors start in buffers of ours: a cache line (ONNX Runtime copies misaligned data)
+
+
+def aligned(size: int) -> int:
+    """`size` rounded up to a multiple of ALIGN."""
+    return -(-size // ALIGN) * ALIGN
 
 
 def release_memory_eagerly() -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from service.core.memory import ALIGN
+
 
 class CoalescingTransport:
     """uvicorn writes a response's status line and headers, then its body, with a write each: two
@@ -73,7 +75,6 @@ class CoalescingTransport:
         return getattr(self.transport, name)
 
 
-_ALIGN = 64  # bytes: a cache line, and more than any tensor's element needs
 
 
 class BodySink:
@@ -88,8 +89,8 @@ class BodySink:
     __slots__ = ("view", "filled", "done")
 
     def __init__(self, size: int, aligned_at: int, done: asyncio.Future):
-        raw = np.empty(size + _ALIGN, dtype=np.uint8)
-        start = -(raw.ctypes.data + aligned_at) % _ALIGN
+        raw = np.empty(size + ALIGN, dtype=np.uint8)
+        start = -(raw.ctypes.data + aligned_at) % ALIGN
         self.view = memoryview(raw[start:start + size])
         self.filled = 0
         self.done = done

@@ -230,15 +230,15 @@ class AttendCodec:
             return decode_body(body, core.registry, core.limits), encode_answer
         commas, brackets = json_counts(body)
         processes = getattr(core, "json_processes", None)
-        if processes is None or size <= PRECISE_BODY_BYTES:  # (a small body's errors need its parse: precise)
+        if processes is not None and size > PRECISE_BODY_BYTES:  # (a small body's errors need its parse: precise)
+            # The parse in a process (service.protocols.json_process), and the body's copy it reads.
+            cost.decoding(json_decode(size, commas, brackets) + size)
+            data = processes.parse(body, _IN_PROCESS, getattr(on_thread, "until", None))
+            if data is not None:  # else the process failed (and was replaced): parsed here
+                return decode_parsed(data, body, core.registry, core.limits, brackets), encode_answer
+        else:
             cost.decoding(json_decode(size, commas, brackets))
-            return decode_body(body, core.registry, core.limits, brackets), encode_answer
-        # The parse in a process (service.protocols.json_process), and the body's copy it reads.
-        cost.decoding(json_decode(size, commas, brackets) + size)
-        data = processes.parse(body, _IN_PROCESS, getattr(on_thread, "until", None))
-        if data is None:  # the process failed (and was replaced): parsed here
-            return decode_body(body, core.registry, core.limits, brackets), encode_answer
-        return decode_parsed(data, body, core.registry, core.limits, brackets), encode_answer
+        return decode_body(body, core.registry, core.limits, brackets), encode_answer
 
     def error_body(self, error: ServiceError) -> bytes:
         return orjson.dumps(error.body())

@@ -153,7 +153,7 @@ def fast_array(node: Any) -> tuple[np.ndarray, int] | None:
     """(float64 array, the number of JSON arrays it is made of), or None when the node is not a
     rectangular, non-empty array of numbers as far as can be told cheaply."""
     if type(node) is not simdjson.Array:
-        return node if node.__class__ is Read else None
+        return None
     shape = []
     probe = node
     while type(probe) is simdjson.Array:
@@ -381,7 +381,7 @@ class Arrays:
 
 
 def array_of(node: Any, field: str, what: str, arrays: Arrays, precise: bool = True) -> np.ndarray:
-    fast = fast_array(node)
+    fast = node if node.__class__ is Read else fast_array(node)  # Read: a decode process's fast_array
     if fast is None:
         arrays.all_fast = False
         if not precise:

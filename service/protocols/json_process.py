@@ -29,13 +29,12 @@ import numpy as np
 import simdjson
 
 from service.core.errors import DeadlineExceeded, ServiceError
-from service.core.memory import trim_memory
+from service.core.memory import aligned, trim_memory
 from service.protocols.json_arrays import Read, fast_array, parse
 
 log = logging.getLogger("service")
 
 _SIZE = struct.Struct("<QQ")  # a body's size (and 0); a reply's: where its pickle starts, and its length
-_ALIGN = 64  # where each array starts in the reply (ONNX Runtime reads aligned data in place)
 _ROOT = str(Path(__file__).resolve().parents[2])
 _IDLE_S = 2.0  # a child without a body for this long frees its parser and trims its heap
 _LONGEST_S = 60.0  # a parse's wait where no request deadline is known (the child's parse is linear in the body)
@@ -201,7 +200,7 @@ def _reply(body: Any, fields: frozenset[str], arrays_in: dict[str, str], parser:
             array, brackets = fast[0].astype(arrays_in[key], copy=False), fast[1]
             arrays.append((at, array))
             reply[key] = (at, array.dtype.str, array.shape, brackets)
-            at += -(-array.nbytes // _ALIGN) * _ALIGN
+            at += aligned(array.nbytes)
         elif value.__class__ is simdjson.Object:
             reply[key] = {}
         else:
@@ -230,8 +229,7 @@ def _serve(sock: socket.socket) -> None:
             os.close(fds[0])
             arrays, reply = _reply(body, fields, arrays_in, parser)
         text = pickle.dumps(reply)
-        offset = arrays[-1][0] + arrays[-1][1].nbytes if arrays else 0
-        offset = -(-offset // _ALIGN) * _ALIGN
+        offset = aligned(arrays[-1][0] + arrays[-1][1].nbytes) if arrays else 0
         fd = os.memfd_create("attend-arrays", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, offset + len(text))
