@@ -7,6 +7,7 @@ Open Inference Protocol's codec, which has arrays already, calls it too.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,7 @@ from service.protocols.json_arrays import (
     skeleton,
     small_body_arrays,
 )
+from service.protocols.json_process import read_fields
 from service.protocols.layouts import remember
 
 DEFAULT_MODEL = "dot_product"
@@ -65,8 +67,9 @@ _WHY_NOT = {
     "masked_softmax": ": it takes the scores",
 }
 _FIELD_SET = frozenset(FIELDS)
-# The fields, and those a decode process reads as arrays, in the dtype the service casts each to.
-_IN_PROCESS = (_FIELD_SET, {**dict.fromkeys(ARRAY_FIELDS, "<f4"), "valid_lens": "<f8"})
+# A decode process's reader: the fields, and those it reads as arrays, in the dtype the service casts each to.
+_IN_PROCESS = partial(read_fields, fields=_FIELD_SET, arrays_in={**dict.fromkeys(ARRAY_FIELDS, "<f4"),
+                                                                 "valid_lens": "<f8"})
 DEFAULT_LIMITS = RequestLimits()
 
 

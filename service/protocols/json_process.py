@@ -1,12 +1,14 @@
 """Large JSON bodies parsed in processes of their own. simdjson's parse and the arrays' reading hold the GIL for
 as long as they take (a 24 MiB body: 60-270 ms), and the event loop waits all that time (docs/reliability.md).
 Here a decode thread writes the body into a memfd (a system call: the GIL is free), a child process parses it
-(service.protocols.json_arrays, as the thread would have) and writes the arrays into a memfd of its own, which
-the thread maps: the arrays are neither parsed nor copied under the service's GIL.
+with the reader its protocol sends (a function of the body and a parser) and writes the answer into a memfd of its
+own, its arrays out of band (pickle protocol 5), which the thread maps: the arrays are neither parsed nor copied
+under the service's GIL.
 
-The child reads only what needs no model: the top-level object, and each array field's numbers where the fast
-path reads them. The caller checks the rest (service.protocols.attend), so every answer and error is the one a
-decode thread gives. A child that dies or errs is replaced, and its request decoded on the thread.
+A reader reads only what needs no model: /attend's top-level fields (`read_fields`), an inference request's head
+(service.protocols.v2.read_head). The thread checks the rest as it would a parse of its own, so every answer and
+error is the one a decode thread gives. A child that dies or errs is replaced, and its request decoded on the
+thread.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import simdjson
 
 from service.core.errors import DeadlineExceeded, ServiceError
@@ -34,7 +36,7 @@ from service.protocols.json_arrays import Read, fast_array, parse
 
 log = logging.getLogger("service")
 
-_SIZE = struct.Struct("<QQ")  # a body's size (and 0); a reply's: where its pickle starts, and its length
+_SIZE = struct.Struct("<QQ")  # a body's size (and 0); a reply's: where its index starts, and its length
 _ROOT = str(Path(__file__).resolve().parents[2])
 _IDLE_S = 2.0  # a child without a body for this long frees its parser and trims its heap
 _LONGEST_S = 60.0  # a parse's wait where no request deadline is known (the child's parse is linear in the body)
@@ -43,6 +45,35 @@ _READY = b"ready"  # a child's first message, once its imports are done
 
 class NotStarted(RuntimeError):
     """A decode process did not start (the message says so in one line)."""
+
+
+class Raised(NamedTuple):
+    """An error a reader met, in place of its value: the thread raises it where it reaches that value (so errors
+    come in the order a thread's own parse meets them). Its class and fields: an error's own pickle would call
+    its __init__ with the wrong arguments."""
+
+    kind: type
+    fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, error: ServiceError) -> Raised:
+        return cls(type(error), dict(error.__dict__))
+
+    def error(self) -> ServiceError:
+        error = self.kind.__new__(self.kind)
+        Exception.__init__(error, self.fields["message"])
+        error.__dict__.update(self.fields)
+        return error
+
+
+def given(value: Any) -> Any:
+    """`value`, or the error a reader put in its place, raised."""
+    if value.__class__ is Raised:
+        raise value.error()
+    return value
+
+
+Reader = Callable[[Any, simdjson.Parser], Any]  # a module's function (pickled by name), or a partial of one
 
 
 class _Child:
@@ -68,7 +99,7 @@ class _Child:
                 raise EOFError(f"exit {self.process.wait()}")
             self.started = True
 
-    def parse(self, body: Any, fields: tuple[frozenset[str], dict[str, str]], until: float) -> dict[str, Any]:
+    def parse(self, body: Any, read: Reader, until: float) -> Any:
         self.wait_started(until)
         size = len(body)
         fd = os.memfd_create("attend-body", os.MFD_CLOEXEC)
@@ -77,7 +108,7 @@ class _Child:
             while written < size:  # os.write frees the GIL: the page faults of the copy happen without it
                 written += os.write(fd, view[written:])
             self.socket.settimeout(max(until - time.monotonic(), 0.001))
-            socket.send_fds(self.socket, [_SIZE.pack(size, 0) + pickle.dumps(fields)], [fd])
+            socket.send_fds(self.socket, [_SIZE.pack(size, 0) + pickle.dumps(read)], [fd])
         finally:
             os.close(fd)
         message, fds, _, _ = socket.recv_fds(self.socket, 1024, 1)
@@ -91,19 +122,9 @@ class _Child:
             mapped = mmap.mmap(fds[0], offset + length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fds[0])
-        reply = pickle.loads(mapped[offset:offset + length])
-        if isinstance(reply, tuple):  # an error: its class, its fields
-            kind, fields_of = reply
-            error = kind.__new__(kind)
-            Exception.__init__(error, fields_of["message"])
-            error.__dict__.update(fields_of)
-            raise error
-        for key, value in reply.items():
-            if value.__class__ is tuple:  # an array read: (offset, dtype, shape, brackets)
-                start, dtype, shape, brackets = value
-                array = np.frombuffer(mapped, dtype, int(np.prod(shape)), start).reshape(shape)
-                reply[key] = Read(array, brackets)
-        return reply
+        places, text = pickle.loads(mapped[offset:offset + length])
+        whole = memoryview(mapped)
+        return given(pickle.loads(text, buffers=[whole[at:at + size] for at, size in places]))  # arrays: views
 
     def stop(self) -> None:
         self.socket.close()
@@ -130,19 +151,17 @@ class JsonProcesses:
         self.replaced = 0
         self.closed = False
 
-    def parse(self, body: Any, fields: tuple[frozenset[str], dict[str, str]], until: float | None
-              ) -> dict[str, Any] | None:
-        """The body's top-level object, `fields` being (the keys it may have, the dtype of each array): its
-        arrays `Read` where the fast way reads them, empty lists where not; objects empty; other values as
-        sent. Raises InvalidJSON, and DeadlineExceeded at `until` (a child still parsing then is replaced).
-        None where the child failed: the caller parses the body itself."""
+    def parse(self, body: Any, read: Reader, until: float | None) -> Any:
+        """`read(body, parser)`, run in a decode process: its arrays map the process's memory. Raises what `read`
+        raises (a ServiceError), and DeadlineExceeded at `until` (a child still parsing then is replaced). None
+        where the child failed: the caller parses the body itself."""
         until = time.monotonic() + _LONGEST_S if until is None else until
         try:
             child = self._idle.get(timeout=max(until - time.monotonic(), 0))
         except queue.Empty:
             raise DeadlineExceeded("the request's deadline passed before its body could be decoded") from None
         try:
-            data = child.parse(body, fields, until)
+            data = child.parse(body, read, until)
         except ServiceError:
             self._idle.put(child)
             raise
@@ -181,31 +200,20 @@ class JsonProcesses:
 # ----------------------------------------------------------------------------------------------- the child
 
 
-def _reply(body: Any, fields: frozenset[str], arrays_in: dict[str, str], parser: simdjson.Parser
-           ) -> tuple[list[tuple[int, np.ndarray]], Any]:
-    """The arrays to write (where each starts), and what says where they are (or an error: its class, its fields).
-    `arrays_in`: the fields read as arrays, and the dtype each is cast to (as the service would: float32's
-    overflow to inf is refused there)."""
-    try:
-        data = parse(body, fields, parser)
-    except ServiceError as e:
-        return [], (type(e), dict(e.__dict__))
-    arrays, reply, at = [], {}, 0
+def read_fields(body: Any, parser: simdjson.Parser, fields: frozenset[str], arrays_in: dict[str, str]
+                ) -> dict[str, Any]:
+    """/attend's reader: the body's top-level object (`fields`: the keys it may have). The fields in `arrays_in`
+    `Read` where the fast way reads them, cast to the dtype given there (as the service would: float32's overflow
+    to inf is refused there), empty lists where not; objects empty; other values as sent."""
+    data = parse(body, fields, parser)
     for key, value in data.items():
         if value.__class__ is simdjson.Array:
             fast = fast_array(value) if key in arrays_in else None
-            if fast is None:
-                reply[key] = []  # the caller names the field; json_type says "an array"
-                continue
-            array, brackets = fast[0].astype(arrays_in[key], copy=False), fast[1]
-            arrays.append((at, array))
-            reply[key] = (at, array.dtype.str, array.shape, brackets)
-            at += aligned(array.nbytes)
+            # Unread: [], so the caller names the field, and json_type says "an array".
+            data[key] = [] if fast is None else Read(fast[0].astype(arrays_in[key], copy=False), fast[1])
         elif value.__class__ is simdjson.Object:
-            reply[key] = {}
-        else:
-            reply[key] = value
-    return arrays, reply
+            data[key] = {}
+    return data
 
 
 def _serve(sock: socket.socket) -> None:
@@ -224,21 +232,30 @@ def _serve(sock: socket.socket) -> None:
             return  # the server closed its end
         parser = parser or simdjson.Parser()
         size = _SIZE.unpack_from(message)[0]
-        fields, arrays_in = pickle.loads(message[_SIZE.size:])
+        read = pickle.loads(message[_SIZE.size:])
         with mmap.mmap(fds[0], size, prot=mmap.PROT_READ) as body:
             os.close(fds[0])
-            arrays, reply = _reply(body, fields, arrays_in, parser)
-        text = pickle.dumps(reply)
-        offset = aligned(arrays[-1][0] + arrays[-1][1].nbytes) if arrays else 0
+            try:
+                answer = read(body, parser)
+            except ServiceError as e:
+                answer = Raised.of(e)
+            buffers: list[pickle.PickleBuffer] = []
+            text = pickle.dumps(answer, protocol=5, buffer_callback=buffers.append)
+            del answer
+        places, end = [], 0
+        for buffer in buffers:
+            places.append((end, buffer.raw().nbytes))
+            end = aligned(end + places[-1][1])
+        index = pickle.dumps((places, text))
         fd = os.memfd_create("attend-arrays", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, offset + len(text))
-            with mmap.mmap(fd, offset + len(text)) as out:
-                for at, array in arrays:
-                    np.frombuffer(out, array.dtype, array.size, at)[...] = array.ravel()
-                out[offset:] = text
-            del arrays, reply
-            socket.send_fds(sock, [_SIZE.pack(offset, len(text))], [fd])
+            os.ftruncate(fd, end + len(index))
+            with mmap.mmap(fd, end + len(index)) as out:
+                for (at, length), buffer in zip(places, buffers, strict=True):
+                    out[at:at + length] = buffer.raw()
+                out[end:] = index
+            del buffers
+            socket.send_fds(sock, [_SIZE.pack(end, len(index))], [fd])
         finally:
             os.close(fd)
 

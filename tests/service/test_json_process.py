@@ -8,6 +8,7 @@ import signal
 import time
 import types
 import zlib
+from functools import partial
 
 import httpx
 import numpy as np
@@ -21,7 +22,7 @@ from service.core.errors import DeadlineExceeded, ServiceError
 from service.core.runtime import Registry
 from service.http.app import create_app
 from service.protocols.attend import AttendCodec, attend
-from service.protocols.json_process import JsonProcesses, NotStarted
+from service.protocols.json_process import JsonProcesses, NotStarted, read_fields
 from tests.load.bodies import json_dense
 from tests.load.gil import longest_wait
 from tests.server import running_service
@@ -29,6 +30,7 @@ from tests.service.test_bad_input import CASES
 from tests.service.test_decode import _random_body
 
 LIMITS = Settings().request_limits()
+_QUERIES = partial(read_fields, fields={"model", "queries"}, arrays_in={"queries": "<f4"})
 
 
 @pytest.fixture(scope="module")
@@ -165,11 +167,11 @@ def test_a_process_past_the_deadline_is_replaced(registry):
         body = json_dense(16 << 20).content
         first = processes.pids()[0]
         with pytest.raises(DeadlineExceeded):
-            processes.parse(body, ({"model", "queries", "keys", "values"}, {"queries": "<f4"}),
-                            time.monotonic() + 0.005)
+            processes.parse(body, partial(read_fields, fields={"model", "queries", "keys", "values"},
+                                          arrays_in={"queries": "<f4"}), time.monotonic() + 0.005)
         assert processes.replaced == 1 and processes.pids()[0] != first and not psutil.pid_exists(first)
         small = large(b'{"model": "dot_product", "queries": [[[1, 2]]]}')
-        data = processes.parse(small, ({"model", "queries"}, {"queries": "<f4"}), None)
+        data = processes.parse(small, _QUERIES, None)
         assert data["model"] == "dot_product" and data["queries"].array.tolist() == [[[1.0, 2.0]]]
     finally:
         processes.close()
@@ -234,7 +236,7 @@ def test_a_decode_under_way_as_the_server_stops_starts_no_process():
     first = processes.pids()[0]
     processes.close()
     body = large(b'{"model": "dot_product", "queries": [[[1, 2]]]}')
-    assert processes.parse(body, ({"model", "queries"}, {"queries": "<f4"}), None) is None  # on the thread, then
+    assert processes.parse(body, _QUERIES, None) is None  # on the thread, then
     assert processes.pids() == [first] and processes.replaced == 0 and not psutil.pid_exists(first)
 
 
