@@ -267,5 +267,7 @@ def main() -> None:
     _serve(sock)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # by its name: what it pickles (Raised) must unpickle in the server
+    from service.protocols.json_process import main as named
+
+    named()

@@ -24,6 +24,7 @@ import simdjson
 
 from service.core.batching import Encoder
 from service.core.cost import PRECISE_BODY_BYTES, Cost, binary_decode, json_counts, json_decode
+from service.core.deadline import on_thread
 from service.core.errors import (
     InvalidJSON,
     ModelNotFound,
@@ -38,11 +39,13 @@ from service.core.runtime import LoadedModel
 from service.core.shm import Offload, OutputRegion, Regions, SharedMemoryOff
 from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, json_parts, media_type
 from service.protocols.json_arrays import large_not_json
+from service.protocols.json_process import Raised, given
 
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
 _ACCEPTED = {"float32": {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")},
              "int64": {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4")}}
+_INTEGERS = frozenset(t for accepted in _ACCEPTED.values() for t, dtype in accepted.items() if dtype.kind == "i")
 
 
 class BadRequest(InvalidJSON):
@@ -321,7 +324,7 @@ _ARRAYS = (simdjson.Array, list)
 
 def _small(value: Any, what: str, of: str = "") -> Any:
     """`value` as Python objects, where it holds at most SMALL values in all; else a 400 naming `of` + `what`."""
-    if not isinstance(value, _CONTAINERS):
+    if not isinstance(given(value), _CONTAINERS):
         return value
     left = [SMALL]
     plain = _plain(value, left)
@@ -352,13 +355,10 @@ def _plain(node: Any, left: list[int]) -> Any:
 def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: int) -> np.ndarray:
     """`data`, flat or nested in row-major order, as an array of `shape`."""
     integer = dtype.kind == "i"
-    if isinstance(data, simdjson.Array):
-        try:
-            flat = np.frombuffer(data.as_buffer(of_type="i" if integer else "d"), dtype=np.int64 if integer
-                                 else np.float64)
-        except (TypeError, ValueError, RuntimeError):
-            kind = "integers" if integer else "numbers"
-            raise BadRequest(f"input {name}: data must hold only {kind} (nested or flat)") from None
+    if isinstance(given(data), simdjson.Array):
+        flat = _numbers(data, name, integer)
+    elif data.__class__ is np.ndarray:  # read by a decode process (read_head)
+        flat = data
     elif isinstance(data, list):  # from the slower parser (integers beyond 64 bits)
         flat = np.array(data, dtype=object).ravel()
         if not all(type(x) is int or (type(x) is float and not integer) for x in flat):
@@ -369,6 +369,78 @@ def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: i
     if flat.size != count:
         raise BadRequest(f"input {name}: data holds {flat.size} values, shape {shape} takes {count}")
     return flat.reshape(shape)
+
+
+def _numbers(data: simdjson.Array, name: str, integer: bool) -> np.ndarray:
+    """An input's data, flat (int64 or float64)."""
+    try:
+        return np.frombuffer(data.as_buffer(of_type="i" if integer else "d"), dtype=np.int64 if integer
+                             else np.float64)
+    except (TypeError, ValueError, RuntimeError):
+        kind = "integers" if integer else "numbers"
+        raise BadRequest(f"input {name}: data must hold only {kind} (nested or flat)") from None
+
+
+def _entry(entry: Any) -> Any:
+    """An input's fields as plain values but its data, where it is an object (else as it is: _tensor refuses it)."""
+    if isinstance(given(entry), simdjson.Object | dict):
+        if len(entry) > SMALL:
+            raise BadRequest(f"an input has {len(entry)} fields; it takes name, datatype, shape, parameters and data")
+        # By key: simdjson's items() would make the data a Python list too (a float object a number).
+        entry = {k: entry[k] if k == "data" else _small(entry[k], k, "an input's ") for k in entry}
+    return entry
+
+
+def _head(text: Any, parser: simdjson.Parser | None = None) -> Any:
+    """The inference request's JSON object (simdjson's proxy; orjson's dict where simdjson cannot read it)."""
+    try:
+        head = (parser or simdjson.Parser()).parse(text)
+    except (ValueError, RuntimeError, UnicodeDecodeError) as e:
+        if len(text) > PRECISE_BODY_BYTES:  # the slow way holds every number as a Python object
+            raise BadRequest(large_not_json(e).message.replace("request body", "inference request")) from None
+        try:
+            head = orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            raise BadRequest(f"the inference request is not valid JSON: {e.msg} (line {e.lineno} column "
+                             f"{e.colno})") from None
+    if not isinstance(head, simdjson.Object | dict):
+        raise BadRequest(f"the inference request must be a JSON object, got {json_type(head)}")
+    return head
+
+
+def read_head(text: Any, parser: simdjson.Parser) -> dict[str, Any]:
+    """A decode process's reader (service.protocols.json_process) of a large head: the four fields decode_for
+    reads, as plain values (containers the thread only names empty), each input's data read as numbers by its
+    datatype; in place of a value the thread would refuse, the error it would raise (Raised)."""
+
+    def deferred(check: Any, *args: Any) -> Any:
+        try:
+            return check(*args)
+        except ServiceError as e:
+            return Raised.of(e)
+
+    head = _head(text, parser)
+    inputs = head.get("inputs")
+    if isinstance(inputs, simdjson.Array):
+        entries = []
+        for entry in inputs:
+            entry = deferred(_entry, entry)
+            if isinstance(entry, dict) and "data" in entry:
+                data = entry["data"]
+                entry["data"] = _plain_or_empty(data) if data.__class__ is not simdjson.Array else \
+                    deferred(_numbers, data, entry.get("name"), entry.get("datatype") in _INTEGERS)
+            entries.append(_plain_or_empty(entry))
+            if not isinstance(entry, dict):  # refused, whatever the model: the thread goes no further
+                break
+        inputs = entries
+    return {"id": _plain_or_empty(head.get("id")), "parameters": deferred(_small, head.get("parameters"),
+            "parameters"), "inputs": _plain_or_empty(inputs), "outputs": deferred(_small, head.get("outputs"),
+            "outputs")}
+
+
+def _plain_or_empty(value: Any) -> Any:
+    """simdjson's containers empty (what the thread says of them is their type), other values as they are."""
+    return [] if value.__class__ is simdjson.Array else {} if value.__class__ is simdjson.Object else value
 
 
 def requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple[str, bool]]:
@@ -472,33 +544,28 @@ class InferCodec:
         try:
             split = _split(headers, body)
             commas, brackets = json_counts(body[:split])
-            cost.decoding(json_decode(split, commas, brackets))  # its binary tensors: _tensor
+            # A large head is read in a decode process (service.protocols.json_process), from a copy of it.
+            processes = getattr(core, "json_processes", None) if split > PRECISE_BODY_BYTES else None
+            cost.decoding(json_decode(split, commas, brackets) + (split if processes else 0))  # binary: _tensor
             shm = SharedReads(core.regions, core.inline_decode_bytes, core.loop_thread)
-            return self.decode_for(model, headers, body, core.limits, cost, split, shm)
+            return self.decode_for(model, headers, body, core.limits, cost, split, shm, processes)
         except ServiceError as e:
             e.model = model.name
             raise
 
     def decode_for(self, model: LoadedModel, headers: Headers, body: bytes | memoryview, limits: RequestLimits,
-                   cost: Cost | None = None, split: int | None = None, shm: SharedReads | None = None
-                   ) -> tuple[Request, Encoder]:
+                   cost: Cost | None = None, split: int | None = None, shm: SharedReads | None = None,
+                   processes: Any = None) -> tuple[Request, Encoder]:
         """The request for `model` (resolved already) from the body; its binary tensors' casts and copies
         counted in `cost`. `split`: where its JSON header ends, where the caller knows it already. `shm`:
-        the shared memory it may name (none: system shared memory is off)."""
+        the shared memory it may name (none: system shared memory is off). `processes`: the JsonProcesses
+        that read its head (none: read here)."""
         if split is None:
             split = _split(headers, body)
-        try:
-            head = simdjson.Parser().parse(body[:split] if split < len(body) else body)
-        except (ValueError, RuntimeError, UnicodeDecodeError) as e:
-            if split > PRECISE_BODY_BYTES:  # the slow way holds every number as a Python object
-                raise BadRequest(large_not_json(e).message.replace("request body", "inference request")) from None
-            try:
-                head = orjson.loads(body[:split])
-            except orjson.JSONDecodeError as e:
-                raise BadRequest(f"the inference request is not valid JSON: {e.msg} (line {e.lineno} column "
-                                 f"{e.colno})") from None
-        if not isinstance(head, simdjson.Object | dict):
-            raise BadRequest(f"the inference request must be a JSON object, got {json_type(head)}")
+        text = body[:split] if split < len(body) else body
+        head = None if processes is None else processes.parse(text, read_head, getattr(on_thread, "until", None))
+        if head is None:  # (or the process failed, and was replaced)
+            head = _head(text)
         request_id = head.get("id")
         if request_id is not None and not isinstance(request_id, str):
             raise BadRequest(f"id must be a string, got {json_type(request_id)}")
@@ -509,13 +576,7 @@ class InferCodec:
         shm = shm or SharedReads(None, 0, None)
         reader, seen, tensors = _Reader(memoryview(body)[split:], cost, shm), set(), {}
         for entry in inputs:
-            if isinstance(entry, simdjson.Object | dict):  # all but the data as plain values: they are small
-                if len(entry) > SMALL:
-                    raise BadRequest(f"an input has {len(entry)} fields; it takes name, datatype, shape, "
-                                     "parameters and data")
-                # By key: simdjson's items() would make the data a Python list too (a float object a number).
-                entry = {k: entry[k] if k == "data" else _small(entry[k], k, "an input's ") for k in entry}
-            name, array = _tensor(entry, model, reader, seen)
+            name, array = _tensor(_entry(entry), model, reader, seen)  # all but the data as plain values
             tensors[name] = array
         reader.done()
         outputs = _small(head.get("outputs"), "outputs")

@@ -2,6 +2,7 @@
 decode thread gives; the event loop's thread waits for the GIL a fraction as long; a process that dies or runs
 past a deadline is replaced and the service goes on; the server starts one a worker and none outlives it."""
 
+import contextlib
 import json
 import os
 import signal
@@ -23,11 +24,13 @@ from service.core.runtime import Registry
 from service.http.app import create_app
 from service.protocols.attend import AttendCodec, attend
 from service.protocols.json_process import JsonProcesses, NotStarted, read_fields
-from tests.load.bodies import json_dense
+from service.protocols.v2 import InferCodec
+from tests.load.bodies import json_dense, v2_json_dense
 from tests.load.gil import longest_wait
 from tests.server import running_service
 from tests.service.test_bad_input import CASES
 from tests.service.test_decode import _random_body
+from tests.service.test_v2 import BAD
 
 LIMITS = Settings().request_limits()
 _QUERIES = partial(read_fields, fields={"model", "queries"}, arrays_in={"queries": "<f4"})
@@ -55,18 +58,28 @@ def dead(process: psutil.Process) -> None:
         pass
 
 
+@contextlib.contextmanager
+def answered_by(processes, fallback: bool = False):
+    """Asserts that `processes` (where given) answered: none failed and was replaced."""
+    replaced = processes.replaced if processes is not None else 0
+    yield
+    assert fallback or processes is None or processes.replaced == replaced, "a decode process failed"
+
+
 def large(body: bytes) -> bytes:
     """The body past 1 MiB (where the process takes it): blanks after it, as JSON allows."""
     return body + b" " * max(0, PRECISE_BODY_BYTES + 1 - len(body))
 
 
-def decoded(body: bytes, registry, processes=None):
-    """What the /attend codec makes of `body`: the feed, or the error (its body and its model label)."""
+def decoded(body: bytes, registry, processes=None, fallback: bool = False):
+    """What the /attend codec makes of `body`: the feed, or the error (its body and its model label).
+    Unless `fallback`, a process that failed (its body parsed on the thread) is an error of the test's."""
     core = types.SimpleNamespace(registry=registry, limits=LIMITS, json_processes=processes)
-    try:
-        request, _ = AttendCodec().decode(core, (None, None), {}, body, Cost(Budget(1 << 40)))
-    except ServiceError as e:
-        return type(e).__name__, e.status, e.body(), e.model
+    with answered_by(processes, fallback):
+        try:
+            request, _ = AttendCodec().decode(core, (None, None), {}, body, Cost(Budget(1 << 40)))
+        except ServiceError as e:
+            return type(e).__name__, e.status, e.body(), e.model
     return {k: (v.dtype, v.shape, v.tobytes()) for k, v in request.feed.items()} | {
         "return_weights": request.return_weights, "model": request.model.name}
 
@@ -152,7 +165,7 @@ def test_a_process_that_dies_is_replaced_and_its_body_decoded_all_the_same(regis
         first = processes.pids()[0]
         os.kill(first, signal.SIGKILL)
         dead(psutil.Process(first))
-        assert decoded(body, registry, processes) == expected  # parsed on the thread
+        assert decoded(body, registry, processes, fallback=True) == expected  # parsed on the thread
         assert processes.replaced == 1 and processes.pids()[0] != first
         assert "a JSON decode process failed" in caplog.text and "exit -9)" in caplog.text
         assert decoded(body, registry, processes) == expected and processes.replaced == 1  # by the new one
@@ -257,3 +270,95 @@ def test_a_service_whose_process_cannot_start_serves_without(repository, registr
                      b'"values": [[[1], [2]]]}')
         answer = client.post("/attend", content=body)
         assert answer.status_code == 200 and answer.json() == json.loads(attend(body, registry, LIMITS))
+
+
+# ----------------------------------------------------- the Open Inference Protocol's JSON (service.protocols.v2)
+
+
+def inferred(body: bytes, headers: dict, registry, processes=None, model: str = "additive"):
+    """What the inference codec makes of `body` for `model`: the feed and the answer to it, or the error."""
+    core = types.SimpleNamespace(registry=registry, limits=LIMITS, json_processes=processes, regions=None,
+                                 inline_decode_bytes=0, loop_thread=None)
+    headers = {k.lower().encode(): str(v).encode() for k, v in headers.items()}
+    with answered_by(processes):
+        try:
+            request, encode = InferCodec().decode(core, (model, None), headers, body, Cost(Budget(1 << 40)))
+        except ServiceError as e:
+            return type(e).__name__, e.status, e.body(), e.model
+    answer = encode(request.model, request.model.run(request.feed, request.return_weights), request.return_weights)
+    parts = answer.body if isinstance(answer.body, list) else [answer.body]
+    return {k: (v.dtype, v.shape, v.tobytes()) for k, v in request.feed.items()} | {
+        "return_weights": request.return_weights, "timeout": request.timeout_s, "held": request.held,
+        "text": request.text_answer, "answer": b"".join(map(bytes, parts)), "headers": answer.headers}
+
+
+def padded(body: bytes, headers: dict) -> tuple[bytes, dict]:
+    """The body's JSON head past 1 MiB (blanks after it; the binary tensors after those), where the header
+    says where it ends; else blanks at the end."""
+    length = headers.get("Inference-Header-Content-Length")
+    pad = b" " * (PRECISE_BODY_BYTES + 1)
+    if length is not None and str(length).isdigit() and 0 < int(length) <= len(body):
+        return body[:int(length)] + pad + body[int(length):], headers | {
+            "Inference-Header-Content-Length": int(length) + len(pad)}
+    return body + pad, headers
+
+
+def _input(name: str, data, datatype: str = "FP32", shape=None, **more) -> dict:
+    data = np.asarray(data)
+    return {"name": name, "datatype": datatype, "shape": list(data.shape) if shape is None else shape,
+            "data": data.tolist(), **more}
+
+
+_RNG = np.random.default_rng(7)
+_Q, _K, _V = _RNG.normal(size=(2, 3, 20)), _RNG.normal(size=(2, 5, 2)), _RNG.normal(size=(2, 5, 4))
+_GOOD = [_input("queries", _Q), _input("keys", _K), _input("values", _V.ravel(), shape=[2, 5, 4])]
+_MANY = {str(i): i for i in range(70)}  # more values than a request's small fields may hold
+INFER = [  # (id, body): requests only the service can answer or refuse, and what a decode process reads ahead
+    ("good", {"inputs": _GOOD}),
+    ("good-id-lens-timeout", {"id": "x" * 100, "parameters": {"timeout": 5_000_000}, "inputs": [
+        *_GOOD, _input("valid_lens", [2, 5], "INT64")], "outputs": [{"name": "outputs"}]}),
+    ("int32-lens-fp64-binary-out", {"parameters": {"binary_data_output": True}, "inputs": [
+        *_GOOD[:2], {**_GOOD[2], "datatype": "FP64"}, _input("valid_lens", [[1, 2, 3], [5, 4, 3]], "INT32")]}),
+    ("id-before-parameters", {"id": 7, "parameters": _MANY, "inputs": _GOOD}),
+    ("parameters-before-inputs", {"parameters": _MANY, "inputs": 5}),
+    ("inputs-an-object", {"inputs": {"queries": 1}}),
+    ("an-input-named-wrong-before-one-too-large", {"inputs": [{**_GOOD[0], "name": "q"}, _MANY]}),
+    ("an-input-too-large", {"inputs": [_GOOD[0], {**_GOOD[1], **_MANY}]}),
+    ("an-input-not-an-object", {"inputs": [_GOOD[0], [1, 2]]}),
+    ("a-shape-too-large", {"inputs": [{**_GOOD[0], "shape": list(range(70))}]}),
+    ("data-an-object", {"inputs": [_GOOD[0], {**_GOOD[1], "data": {"a": 1}}]}),
+    ("data-a-string", {"inputs": [{**_GOOD[0], "data": "1, 2"}]}),
+    ("data-not-numbers", {"inputs": [_GOOD[0], {**_GOOD[1], "data": [[1, 2], [3, "4"]]}]}),
+    ("lens-not-integers", {"inputs": [*_GOOD, _input("valid_lens", [2.5, 3], "INT64")]}),
+    ("lens-past-the-keys", {"inputs": [*_GOOD, _input("valid_lens", [2, 9], "INT64")]}),
+    ("data-with-a-binary-size", {"inputs": [{**_GOOD[0], "data": "never read",
+                                             "parameters": {"binary_data_size": 4}}]}),
+    ("outputs-too-large", {"inputs": _GOOD, "outputs": [{"name": "outputs"}] * 70}),
+    ("outputs-an-object", {"inputs": _GOOD, "outputs": {"name": "outputs"}}),
+    ("an-array", [_GOOD]),
+    ("a-number", 5),
+]
+
+
+@pytest.mark.parametrize("case", INFER, ids=[c[0] for c in INFER])
+def test_a_process_reads_an_inference_request_as_a_thread_does(registry, processes, case):
+    body, headers = padded(json.dumps(case[1]).encode(), {})
+    thread = inferred(body, headers, registry)
+    assert inferred(body, headers, registry, processes) == thread
+    assert isinstance(thread, dict) == case[0].startswith(("good", "int32")), thread
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_a_process_refuses_a_bad_inference_request_as_a_thread_does(registry, processes, case):
+    body, headers = case[1]
+    body, headers = padded(json.dumps(body).encode() if isinstance(body, dict) else body, headers)
+    thread = inferred(body, headers, registry)
+    assert isinstance(thread, tuple), thread
+    assert inferred(body, headers, registry, processes) == thread
+
+
+def test_a_large_inference_request_is_the_same_read_in_a_process(registry, processes):
+    body = v2_json_dense(4 << 20)
+    thread = inferred(body.content, body.headers, registry, model="dot_product")
+    assert isinstance(thread, dict) and thread["queries"][1][0] > 1, thread
+    assert inferred(body.content, body.headers, registry, processes, model="dot_product") == thread
