@@ -1,12 +1,13 @@
 """What a large JSON body's decode holds the GIL for, on a decode thread and with a decode process: the /attend
-codec's decode (service.protocols.attend.AttendCodec.decode) as the service runs it with ATTEND_JSON_PROCESSES=0
+codec's decode (service.protocols.attend.AttendCodec.decode; the Open Inference Protocol's for its JSON tensors,
+service.protocols.v2.InferCodec) as the service runs it with ATTEND_JSON_PROCESSES=0
 (simdjson's parse and the arrays' reading on the thread, holding the GIL) and with its default, one process
 (service.protocols.json_process: the thread writes the body to it and maps the arrays back). Per form of body
 (tests/load/bodies.py), the longest a thread ticking beside it waited for the GIL (the event loop's wait) and
 the decode's time, medians over rounds.
 
 Then served (unless --served-seconds 0): the service on one core and on two (taskset), processes 0 and 1, two
-clients sending large bodies back to back while a third sends the book's toy request one at a time: the toy
+clients sending large /attend bodies back to back while a third sends the book's toy request one at a time: the toy
 requests a second and their p50, p99 and longest, and the large bodies a second.
 
     python bench/json_offload.py [--mib 24] [--rounds 3] [--served-mib 8] [--served-seconds 8]
@@ -39,16 +40,20 @@ from service.core.runtime import Registry  # noqa: E402
 from service.http.schemas import toy_request  # noqa: E402
 from service.protocols.attend import AttendCodec  # noqa: E402
 from service.protocols.json_process import JsonProcesses  # noqa: E402
-from tests.load.bodies import json_dense, json_long  # noqa: E402
+from service.protocols.v2 import InferCodec, parse_path  # noqa: E402
+from tests.load.bodies import ATTEND, Body, json_dense, json_long, v2_json_dense  # noqa: E402
 from tests.load.gil import longest_wait  # noqa: E402
 from tests.server import running_service  # noqa: E402
 
-FORMS = {"long decimals": json_long, "dense": json_dense}
+FORMS = {"long decimals": json_long, "dense": json_dense, "OIP JSON, dense": v2_json_dense}
+SERVED = ("long decimals", "dense")  # /attend's
 
 
-def _timed(core: types.SimpleNamespace, body: bytes) -> tuple[float, float]:
+def _timed(core: types.SimpleNamespace, body: Body) -> tuple[float, float]:
     """(the longest a thread beside the decode waited for the GIL, the decode's time) in ms."""
-    waited, took, _ = longest_wait(lambda: AttendCodec().decode(core, (None, None), {}, body, Cost(Budget(1 << 50))))
+    codec, target = (AttendCodec(), (None, None)) if body.path == ATTEND else (InferCodec(), parse_path(body.path))
+    headers = {k.encode(): v.encode() for k, v in body.headers.items()}
+    waited, took, _ = longest_wait(lambda: codec.decode(core, target, headers, body.content, Cost(Budget(1 << 50))))
     return waited * 1e3, took * 1e3
 
 
@@ -97,15 +102,16 @@ def main() -> int:
     registry = Registry.load(args.repository, "cpu", 1)
     processes = JsonProcesses(1)
     limits = Settings().request_limits()
-    on_thread = types.SimpleNamespace(registry=registry, limits=limits, json_processes=None)
-    in_process = types.SimpleNamespace(registry=registry, limits=limits, json_processes=processes)
+    plain = {"registry": registry, "limits": limits, "regions": None, "inline_decode_bytes": 0, "loop_thread": None}
+    on_thread = types.SimpleNamespace(**plain, json_processes=None)
+    in_process = types.SimpleNamespace(**plain, json_processes=processes)
     print(f"{cpu()}; {args.mib:g} MiB bodies, medians of {args.rounds} rounds\n")
     print("| form | decode thread: longest wait (ms) | its time (ms) | decode process: longest wait (ms) "
           "| its time (ms) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     try:
         for form, make in FORMS.items():
-            body = make(int(args.mib * 2**20)).content
+            body = make(int(args.mib * 2**20))
             _timed(in_process, body)  # the process's first parse: its imports' pages
             thread, process = [], []
             for _ in range(args.rounds):
@@ -120,8 +126,8 @@ def main() -> int:
     print(f"\nServed, {args.served_mib:g} MiB large bodies, {args.served_seconds:g} s a point:\n")
     print("| form | cores | processes | toy requests / s | p50 ms | p99 ms | longest ms | large bodies / s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for form, make in FORMS.items():
-        large = make(int(args.served_mib * 2**20)).content
+    for form in SERVED:
+        large = FORMS[form](int(args.served_mib * 2**20)).content
         for cores in ("0", "0,1"):
             for count in ("0", "1"):
                 row = served(args.repository, cores, count, large, args.served_seconds)

@@ -215,6 +215,15 @@ def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(reposit
         assert len(children) == workers, children
         answer = httpx.post(f"{url}/attend", content=body, headers={"content-type": "application/json"}, timeout=60)
         assert answer.status_code == 200 and answer.json() == expected
+        infer = large(json.dumps({"inputs": [
+            {"name": name, "datatype": "FP32", "shape": [2, n, d], "data": np.ones(2 * n * d).tolist()}
+            for name, n, d in (("queries", 3, 4), ("keys", 5, 4), ("values", 5, 2))] + [
+            {"name": "valid_lens", "datatype": "INT64", "shape": [2], "data": [2, 5]}]}).encode())
+        answer = httpx.post(f"{url}/v2/models/dot_product/infer", content=infer, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert {o["name"]: o["data"] for o in answer.json()["outputs"]} == {
+            "outputs": np.ravel(expected["outputs"]).tolist(),
+            "attention_weights": np.ravel(expected["attention_weights"]).tolist()}
         children[0].kill()
         dead(children[0])
         for _ in range(2 * workers):  # each worker: the one whose process died decodes it on its thread
@@ -362,3 +371,18 @@ def test_a_large_inference_request_is_the_same_read_in_a_process(registry, proce
     thread = inferred(body.content, body.headers, registry, model="dot_product")
     assert isinstance(thread, dict) and thread["queries"][1][0] > 1, thread
     assert inferred(body.content, body.headers, registry, processes, model="dot_product") == thread
+
+
+def test_an_inference_requests_head_keeps_the_event_loop_waiting_a_fraction_as_long(registry, processes):
+    body = v2_json_dense(8 << 20)
+    headers = {k.encode(): v.encode() for k, v in body.headers.items()}
+
+    def decode(processes):
+        core = types.SimpleNamespace(registry=registry, limits=LIMITS, json_processes=processes, regions=None,
+                                     inline_decode_bytes=0, loop_thread=None)
+        InferCodec().decode(core, ("dot_product", None), headers, body.content, Cost(Budget(1 << 40)))
+
+    thread = min(longest_wait(lambda: decode(None))[0] for _ in range(2))
+    with answered_by(processes):
+        process = min(longest_wait(lambda: decode(processes))[0] for _ in range(2))
+    assert process < thread / 3, (process, thread)
