@@ -371,14 +371,17 @@ def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: i
     return flat.reshape(shape)
 
 
-def _numbers(data: simdjson.Array, name: str, integer: bool) -> np.ndarray:
-    """An input's data, flat (int64 or float64)."""
+def _numbers(data: simdjson.Array, name: str, integer: bool, float32: bool = False) -> np.ndarray:
+    """An input's data, flat: int64, or float64 (`float32`: cast as the service casts every float input,
+    service.core.request; beyond float32's range, inf, refused there)."""
     try:
-        return np.frombuffer(data.as_buffer(of_type="i" if integer else "d"), dtype=np.int64 if integer
-                             else np.float64)
+        if integer:
+            return np.frombuffer(data.as_buffer(of_type="i"), dtype=np.int64)
+        flat = np.frombuffer(data.as_buffer(of_type="d"), dtype=np.float64)
     except (TypeError, ValueError, RuntimeError):
         kind = "integers" if integer else "numbers"
         raise BadRequest(f"input {name}: data must hold only {kind} (nested or flat)") from None
+    return flat.astype(np.float32) if float32 else flat
 
 
 def _entry(entry: Any) -> Any:
@@ -428,7 +431,7 @@ def read_head(text: Any, parser: simdjson.Parser) -> dict[str, Any]:
             if isinstance(entry, dict) and "data" in entry:
                 data = entry["data"]
                 entry["data"] = _plain_or_empty(data) if data.__class__ is not simdjson.Array else \
-                    deferred(_numbers, data, entry.get("name"), entry.get("datatype") in _INTEGERS)
+                    deferred(_numbers, data, entry.get("name"), entry.get("datatype") in _INTEGERS, True)
             entries.append(_plain_or_empty(entry))
             if not isinstance(entry, dict):  # refused, whatever the model: the thread goes no further
                 break

@@ -103,8 +103,8 @@ def largest_weights(elements: int, model: str = "dot_product", sent: bool = True
 
 
 def decode_processes(pid: int) -> list[int]:
-    """The JSON decode processes of the service `pid`."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    """The JSON decode processes of the service `pid` (each thread's children: a thread of the app starts them)."""
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
     return [int(c) for c in children if b"json_process" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
