@@ -324,7 +324,7 @@ _ARRAYS = (simdjson.Array, list)
 
 def _small(value: Any, what: str, of: str = "") -> Any:
     """`value` as Python objects, where it holds at most SMALL values in all; else a 400 naming `of` + `what`."""
-    if not isinstance(given(value), _CONTAINERS):
+    if not isinstance(value, _CONTAINERS):
         return value
     left = [SMALL]
     plain = _plain(value, left)
@@ -355,7 +355,7 @@ def _plain(node: Any, left: list[int]) -> Any:
 def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: int) -> np.ndarray:
     """`data`, flat or nested in row-major order, as an array of `shape`."""
     integer = dtype.kind == "i"
-    if isinstance(given(data), simdjson.Array):
+    if isinstance(data, simdjson.Array):
         flat = _numbers(data, name, integer)
     elif data.__class__ is np.ndarray:  # read by a decode process (read_head)
         flat = data
@@ -364,8 +364,8 @@ def _json_data(data: Any, name: str, shape: list[int], dtype: np.dtype, count: i
         if not all(type(x) is int or (type(x) is float and not integer) for x in flat):
             raise BadRequest(f"input {name}: data must hold only {'integers' if integer else 'numbers'}")
         flat = flat.astype(np.float64)
-    else:
-        raise BadRequest(f"input {name}: data must be an array, got {json_type(data)}")
+    else:  # (or the error a decode process met reading it)
+        raise BadRequest(f"input {name}: data must be an array, got {json_type(given(data))}")
     if flat.size != count:
         raise BadRequest(f"input {name}: data holds {flat.size} values, shape {shape} takes {count}")
     return flat.reshape(shape)
@@ -386,12 +386,12 @@ def _numbers(data: simdjson.Array, name: str, integer: bool, float32: bool = Fal
 
 def _entry(entry: Any) -> Any:
     """An input's fields as plain values but its data, where it is an object (else as it is: _tensor refuses it)."""
-    if isinstance(given(entry), simdjson.Object | dict):
-        if len(entry) > SMALL:
-            raise BadRequest(f"an input has {len(entry)} fields; it takes name, datatype, shape, parameters and data")
-        # By key: simdjson's items() would make the data a Python list too (a float object a number).
-        entry = {k: entry[k] if k == "data" else _small(entry[k], k, "an input's ") for k in entry}
-    return entry
+    if not isinstance(entry, simdjson.Object | dict):
+        return given(entry)  # (or the error a decode process met reading it)
+    if len(entry) > SMALL:
+        raise BadRequest(f"an input has {len(entry)} fields; it takes name, datatype, shape, parameters and data")
+    # By key: simdjson's items() would make the data a Python list too (a float object a number).
+    return {k: entry[k] if k == "data" else _small(entry[k], k, "an input's ") for k in entry}
 
 
 def _head(text: Any, parser: simdjson.Parser | None = None) -> Any:
@@ -572,7 +572,7 @@ class InferCodec:
         request_id = head.get("id")
         if request_id is not None and not isinstance(request_id, str):
             raise BadRequest(f"id must be a string, got {json_type(request_id)}")
-        parameters = _small(head.get("parameters"), "parameters")
+        parameters = _small(given(head.get("parameters")), "parameters")
         inputs = head.get("inputs")
         if not isinstance(inputs, simdjson.Array | list):
             raise BadRequest(f"inputs must be a list of tensors, got {json_type(inputs)}")
@@ -582,7 +582,7 @@ class InferCodec:
             name, array = _tensor(_entry(entry), model, reader, seen)  # all but the data as plain values
             tensors[name] = array
         reader.done()
-        outputs = _small(head.get("outputs"), "outputs")
+        outputs = _small(given(head.get("outputs")), "outputs")
         wanted = requested(outputs, model, _flag(parameters, "binary_data_output"))
         request = tensors_request(model, tensors, [n for n, _ in wanted], limits)
         if isinstance(parameters, dict) and "timeout" in parameters:
@@ -591,13 +591,13 @@ class InferCodec:
             request.held = len(body)  # binary tensors read in place: the body lives as long as they do
         targets = {}
         for entry in outputs or ():  # checked by `requested`: objects, each a name of the model's
-            given = entry.get("parameters")
-            if isinstance(given, dict) and "shared_memory_region" in given:
+            asked = entry.get("parameters")
+            if isinstance(asked, dict) and "shared_memory_region" in asked:
                 name = entry["name"]
-                if "shared_memory_byte_size" not in given:
+                if "shared_memory_byte_size" not in asked:
                     raise BadRequest(f"output {name}: shared_memory_region needs shared_memory_byte_size")
-                targets[name] = shm.target(given["shared_memory_region"], given["shared_memory_byte_size"],
-                                           given.get("shared_memory_offset", 0), name, request)
+                targets[name] = shm.target(asked["shared_memory_region"], asked["shared_memory_byte_size"],
+                                           asked.get("shared_memory_offset", 0), name, request)
         request.text_answer = any(not binary and name not in targets for name, binary in wanted)
         return request, _encoder(model, wanted, request_id, targets)
 
