@@ -45,7 +45,8 @@ _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
 _ACCEPTED = {"float32": {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8")},
              "int64": {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4")}}
-_INTEGERS = frozenset(t for accepted in _ACCEPTED.values() for t, dtype in accepted.items() if dtype.kind == "i")
+# A tuple, not a set: a datatype sent as a list or an object is compared, not hashed.
+_INTEGERS = tuple(t for accepted in _ACCEPTED.values() for t, dtype in accepted.items() if dtype.kind == "i")
 
 
 class BadRequest(InvalidJSON):
@@ -260,7 +261,7 @@ def input_dtype(datatype: Any, name: str, model: LoadedModel) -> np.dtype:
     """The NumPy dtype of the input's data as sent: one the model's input accepts (converted to its own)."""
     spec = next(s for s in model.inputs() if s.name == name)
     accepted = _ACCEPTED[spec.dtype]
-    if datatype not in accepted:
+    if not isinstance(datatype, str) or datatype not in accepted:  # (a list or an object is not hashable)
         shown = excerpt(datatype) if isinstance(datatype, str) else json_type(datatype)
         raise BadRequest(f"input {name}: datatype {shown} is not accepted; send {' or '.join(accepted)}")
     return accepted[datatype]

@@ -341,6 +341,8 @@ INFER = [  # (id, body): requests only the service can answer or refuse, and wha
     ("data-past-float32", {"inputs": [_input("queries", _Q * 1e39), *_GOOD[1:]]}),
     ("good-fp16-data-past-float16s-range", {"inputs": [_input("queries", _Q * 1e5, "FP16"), *_GOOD[1:]]}),
     ("good-int-data", {"inputs": [_input("queries", np.arange(40).reshape(2, 1, 20)), *_GOOD[1:]]}),
+    ("datatype-a-list", {"inputs": [{**_GOOD[0], "datatype": ["INT64"]}, *_GOOD[1:]]}),
+    ("datatype-an-object", {"inputs": [{**_GOOD[0], "datatype": {"INT64": 1}}, *_GOOD[1:]]}),
     ("lens-not-integers", {"inputs": [*_GOOD, _input("valid_lens", [2.5, 3], "INT64")]}),
     ("lens-past-the-keys", {"inputs": [*_GOOD, _input("valid_lens", [2, 9], "INT64")]}),
     ("data-with-a-binary-size", {"inputs": [{**_GOOD[0], "data": "never read",

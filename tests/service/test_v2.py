@@ -267,6 +267,8 @@ BAD = [
     ("twice", _binary([*_toy(), ("keys", "FP32", list(K.shape), K.tobytes(), None)]), 400, "input keys is given twice"),
     ("negative-size", _binary(_toy(queries=("queries", "FP32", [2, 1, 20], Q.tobytes(), -160))), 400,
      "binary_data_size must be a non-negative integer"),
+    ("datatype-a-list", _binary(_toy(queries=("queries", ["FP32"], [2, 1, 20], Q.tobytes(), None))), 400,
+     "input queries: datatype an array is not accepted; send FP32 or FP16 or FP64"),
     ("shape-not-a-list", _binary(_toy(queries=("queries", "FP32", "2,1,20", Q.tobytes(), None))), 400,
      "shape must be a list"),
     ("nan", _binary(_toy(queries=("queries", "FP32", list(Q.shape), NAN.tobytes(), None))), 422,
