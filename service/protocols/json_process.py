@@ -207,13 +207,15 @@ def read_fields(body: Any, parser: simdjson.Parser, fields: frozenset[str], arra
     to inf is refused there), empty lists where not; objects empty; other values as sent."""
     data = parse(body, fields, parser)
     for key, value in data.items():
-        if value.__class__ is simdjson.Array:
-            fast = fast_array(value) if key in arrays_in else None
-            # Unread: [], so the caller names the field, and json_type says "an array".
-            data[key] = [] if fast is None else Read(fast[0].astype(arrays_in[key], copy=False), fast[1])
-        elif value.__class__ is simdjson.Object:
-            data[key] = {}
+        fast = fast_array(value) if key in arrays_in else None
+        data[key] = stand_in(value) if fast is None else Read(fast[0].astype(arrays_in[key], copy=False), fast[1])
     return data
+
+
+def stand_in(value: Any) -> Any:
+    """A value a reader does not read, for the thread: simdjson's containers empty (the thread names only their
+    type: json_type's "an array", "an object"), other values as they are."""
+    return [] if value.__class__ is simdjson.Array else {} if value.__class__ is simdjson.Object else value
 
 
 def _serve(sock: socket.socket) -> None:

@@ -39,7 +39,7 @@ from service.core.runtime import LoadedModel
 from service.core.shm import Offload, OutputRegion, Regions, SharedMemoryOff
 from service.protocols.codec import JSON, OCTETS, Answer, Headers, Target, json_parts, media_type
 from service.protocols.json_arrays import large_not_json
-from service.protocols.json_process import Raised, given
+from service.protocols.json_process import Raised, given, stand_in
 
 _V2_TYPE = {"float32": "FP32", "int64": "INT64"}
 # What a client may send for each input dtype of the signature: converted to it, or refused.
@@ -431,20 +431,15 @@ def read_head(text: Any, parser: simdjson.Parser) -> dict[str, Any]:
             entry = deferred(_entry, entry)
             if isinstance(entry, dict) and "data" in entry:
                 data = entry["data"]
-                entry["data"] = _plain_or_empty(data) if data.__class__ is not simdjson.Array else \
+                entry["data"] = stand_in(data) if data.__class__ is not simdjson.Array else \
                     deferred(_numbers, data, entry.get("name"), entry.get("datatype") in _INTEGERS, True)
-            entries.append(_plain_or_empty(entry))
+            entries.append(stand_in(entry))
             if not isinstance(entry, dict):  # refused, whatever the model: the thread goes no further
                 break
         inputs = entries
-    return {"id": _plain_or_empty(head.get("id")), "parameters": deferred(_small, head.get("parameters"),
-            "parameters"), "inputs": _plain_or_empty(inputs), "outputs": deferred(_small, head.get("outputs"),
+    return {"id": stand_in(head.get("id")), "parameters": deferred(_small, head.get("parameters"),
+            "parameters"), "inputs": stand_in(inputs), "outputs": deferred(_small, head.get("outputs"),
             "outputs")}
-
-
-def _plain_or_empty(value: Any) -> Any:
-    """simdjson's containers empty (what the thread says of them is their type), other values as they are."""
-    return [] if value.__class__ is simdjson.Array else {} if value.__class__ is simdjson.Object else value
 
 
 def requested(outputs: Any, model: LoadedModel, all_binary: bool) -> list[tuple[str, bool]]:
