@@ -28,7 +28,7 @@ from service.core.request import MAX_DIMS, finite
 # Numbers beyond float32's range become inf in the cast and are refused just after; NumPy's warning
 # about it would only repeat that (and np.errstate around every cast costs a microsecond a field).
 warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning,
-                        module=r"service\.(protocols\.(json_arrays|json_process|layouts)|core\.request)")
+                        module=r"service\.(protocols\.(json_arrays|json_process|layouts|v2)|core\.request)")
 
 
 _NUMBERS = frozenset({int, float})

@@ -203,12 +203,14 @@ def _decode_processes(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(repository, registry, workers):
+def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(repository, registry, workers, tmp_path):
     body = large(json.dumps({"model": "dot_product", "queries": np.ones((2, 3, 4)).tolist(),
                              "keys": np.ones((2, 5, 4)).tolist(), "values": np.ones((2, 5, 2)).tolist(),
                              "valid_lens": [2, 5]}).encode())
     expected = json.loads(attend(body, registry, LIMITS))
-    with running_service(repository, ATTEND_WORKERS=str(workers), ATTEND_JSON_PROCESSES="1") as (url, proc):
+    log = tmp_path / "service.log"
+    with running_service(repository, log_path=log, ATTEND_WORKERS=str(workers), ATTEND_JSON_PROCESSES="1",
+                         ATTEND_LOG_LEVEL="info") as (url, proc):
         deadline = time.monotonic() + 60  # ready: one worker is; the others' come as they open
         while len(children := _decode_processes(proc.pid)) < workers and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -224,6 +226,10 @@ def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(reposit
         assert {o["name"]: o["data"] for o in answer.json()["outputs"]} == {
             "outputs": np.ravel(expected["outputs"]).tolist(),
             "attention_weights": np.ravel(expected["attention_weights"]).tolist()}
+        beyond = large(json.dumps({"inputs": [{"name": "queries", "datatype": "FP32", "shape": [1], "data": [1e39]}]
+                                   }).encode())  # cast to inf in the process, refused in the worker: no warning
+        answer = httpx.post(f"{url}/v2/models/dot_product/infer", content=beyond, timeout=60)
+        assert answer.status_code == 400 and "needs input(s) keys" in answer.json()["error"], answer.text
         children[0].kill()
         dead(children[0])
         for _ in range(2 * workers):  # each worker: the one whose process died decodes it on its thread
@@ -233,6 +239,7 @@ def test_the_server_decodes_in_a_process_a_worker_and_leaves_none_behind(reposit
             assert [p.pid for p in _decode_processes(proc.pid)] != [children[0].pid]
         children = _decode_processes(proc.pid)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), children
+    assert "Warning" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()[-2000:]
 
 
 @pytest.mark.parametrize(("cores", "workers", "count"), [(1, 1, 0), (2, 1, 1), (2, 2, 0), (4, 2, 1), (64, 1, 1)])
