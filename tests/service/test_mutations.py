@@ -1,19 +1,25 @@
 """Mutated good bodies against a real server: every value swapped for one of another type, keys dropped or added,
 values wrapped, lists grown, through /attend and the Open Inference Protocol (JSON and binary), some padded past
-1 MiB (a decode process reads those). No answer is a 5xx, every refusal is the protocol's error body, and the log
-holds no traceback, no warning and no failed decode process. (It found a datatype sent as a list: a 500.)"""
+1 MiB (a decode process reads those); and over gRPC, messages whose names, datatypes, shapes, parameters and
+contents (raw or typed, of any type) are changed. No answer is a 5xx (or gRPC's INTERNAL or UNKNOWN), every
+refusal is the protocol's error body, and the log holds no traceback, no warning and no failed decode process.
+(It found a datatype sent as a list: a 500.)
+
+The gRPC messages are built with the stubs tritonclient ships, as in test_grpc."""
 
 import copy
 import json
 import os
 import random
 
+import grpc
 import httpx
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from service.core.cost import PRECISE_BODY_BYTES
-from tests.server import running_service
+from tests.server import free_port, running_service
 from tests.service.test_batching import make_body
 
 pytestmark = pytest.mark.slow
@@ -121,23 +127,125 @@ def cases(count: int, seed: int):
         yield form, path, body, headers | {"content-type": "application/json"}
 
 
-def test_mutated_bodies_get_answers_or_readable_refusals(repository, tmp_path):
-    log = tmp_path / "service.log"
-    seen = {}
-    with running_service(repository, log_path=log, ATTEND_JSON_PROCESSES="1", ATTEND_LOG_LEVEL="info") as (url, _):
-        with httpx.Client(base_url=url, timeout=30) as client:
-            for form, path, body, headers in cases(EXAMPLES, SEED):
-                answer = client.post(path, content=body, headers=headers)
-                code = answer.status_code
-                seen[form, code // 100] = seen.get((form, code // 100), 0) + 1
-                assert code < 500, (SEED, path, body[:400], answer.text)
-                if code >= 400:
-                    error = answer.json()["error"]
-                    message = error if path.startswith("/v2") else error["message"]
-                    assert isinstance(message, str) and message, answer.text
+@pytest.fixture(scope="module")
+def server(repository, tmp_path_factory):
+    """(URL, gRPC address, log) of one service with a decode process; at the end, its log is clean."""
+    log, port = tmp_path_factory.mktemp("mutations") / "service.log", free_port()
+    with running_service(repository, log_path=log, ATTEND_JSON_PROCESSES="1", ATTEND_GRPC_PORT=str(port),
+                         ATTEND_LOG_LEVEL="info") as (url, _):
+        yield url, f"127.0.0.1:{port}"
     text = log.read_text()
     for sign in ("Traceback", "Warning", "decode process failed", " 500 "):
         assert sign not in text, (SEED, text[-3000:])
+
+
+def test_mutated_bodies_get_answers_or_readable_refusals(server):
+    url, _ = server
+    seen = {}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for form, path, body, headers in cases(EXAMPLES, SEED):
+            answer = client.post(path, content=body, headers=headers)
+            code = answer.status_code
+            seen[form, code // 100] = seen.get((form, code // 100), 0) + 1
+            late = code == 504 and "deadline passed" in answer.text  # a timeout parameter of a few us
+            assert code < 500 or late, (SEED, path, body[:400], answer.text)
+            if code >= 400:
+                error = answer.json()["error"]
+                message = error if path.startswith("/v2") else error["message"]
+                assert isinstance(message, str) and message, answer.text
     # Both answers and refusals, through every form: the mutations do not all break a body the same way.
     forms = ("attend", "json", "binary")
-    assert all(seen.get((form, kind), 0) > EXAMPLES / 30 for form in forms for kind in (2, 4)), seen
+    assert all(seen.get((form, kind), 0) > EXAMPLES / 100 for form in forms for kind in (2, 4)), seen
+
+
+DATATYPES = ("FP32", "INT64", "FP16", "FP64", "INT32", "BYTES", "BOOL", "", "x", "UINT8", "BF16")
+NAMES = ("queries", "keys", "values", "valid_lens", "scores", "", "outputs", "x" * 300, "\u0000")
+SHAPES = ([], [-1], [0], [2**40, 2**40], [1] * 70, [2, -3, 4], [2**62, 4])
+PARAMETERS = ("binary_data_size", "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset",
+              "classification", "binary_data", "timeout", "priority", "x")
+CONTENTS = ("int_contents", "int64_contents", "uint_contents", "uint64_contents", "fp32_contents", "fp64_contents",
+            "bool_contents", "bytes_contents")
+
+
+def _parameter(rng: random.Random, parameters) -> None:
+    choice = parameters[rng.choice(PARAMETERS)]
+    field, value = rng.choice((("bool_param", True), ("int64_param", rng.choice((0, -1, 7, 2**62, -2**63))),
+                               ("string_param", rng.choice(("", "x", "a" * 300))),
+                               ("double_param", rng.choice((1.5, float("inf"), float("nan")))),
+                               ("uint64_param", rng.choice((0, 7, 2**64 - 1)))))
+    setattr(choice, field, value)
+
+
+def _typed(contents, field: str, flat: np.ndarray) -> None:
+    values = getattr(contents, field)
+    if field == "bool_contents":
+        values.extend(bool(x) for x in flat)
+    elif field == "bytes_contents":
+        values.extend([b"1"] * flat.size)
+    elif field.startswith(("int", "uint")):  # within every integer type's range
+        values.extend(int(min(abs(x), 2**31 - 1)) for x in flat)
+    else:
+        values.extend(float(x) for x in flat)
+
+
+def grpc_message(rng: random.Random, good: dict) -> bytes:
+    """A ModelInferRequest of `good`, each of its parts changed now and then."""
+    request = pb.ModelInferRequest(model_name=good["model"] if rng.random() > 0.05 else rng.choice(KINDS + ("x",)))
+    if rng.random() < 0.1:
+        request.model_version = rng.choice(("1", "2", "-1", "x", "99999999999999999999"))
+    raw = rng.random() < 0.6
+    for name in ("queries", "keys", "values", "scores", "valid_lens"):
+        if good.get(name) is None:
+            continue
+        flat = np.ravel(good[name])
+        entry = request.inputs.add(name=name, datatype="INT64" if name == "valid_lens" else "FP32",
+                                   shape=np.shape(good[name]))
+        if rng.random() < 0.15:
+            entry.name = rng.choice(NAMES)
+        if rng.random() < 0.15:
+            entry.datatype = rng.choice(DATATYPES)
+        if rng.random() < 0.15:
+            del entry.shape[:]
+            entry.shape.extend(rng.choice((*SHAPES, [flat.size])))
+        if rng.random() < 0.1:
+            _parameter(rng, entry.parameters)
+        if raw and rng.random() > 0.1:
+            blob = flat.astype(np.int64 if name == "valid_lens" else np.float32).tobytes()
+            request.raw_input_contents.append(blob[:rng.randrange(len(blob) + 1)] if rng.random() < 0.1 else blob)
+        else:
+            fields = ("int64_contents" if name == "valid_lens" else "fp32_contents",) * 4 + CONTENTS
+            _typed(entry.contents, rng.choice(fields), flat)
+    if rng.random() < 0.1 and request.inputs:
+        request.inputs.add().CopyFrom(request.inputs[0])
+    if rng.random() < 0.1 and request.inputs:
+        del request.inputs[rng.randrange(len(request.inputs))]
+    if rng.random() < 0.05:
+        request.raw_input_contents.append(b"\0" * 12)
+    if rng.random() < 0.2:
+        output = request.outputs.add(name=rng.choice(("outputs", "attention_weights", "x", "")))
+        if rng.random() < 0.3:
+            _parameter(rng, output.parameters)
+    if rng.random() < 0.1:
+        _parameter(rng, request.parameters)
+    return request.SerializeToString()
+
+
+def test_mutated_grpc_messages_get_answers_or_readable_statuses(server):
+    _, address = server
+    numbers, rng = np.random.default_rng(5), random.Random(SEED)
+    goods = [json.loads(make_body(kind, numbers, batch, 2, 3, form))
+             for kind in KINDS for form in ("absent", "1d", "2d") for batch in (1, 2)]
+    seen = {}
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for _ in range(EXAMPLES):
+            message = grpc_message(rng, rng.choice(goods))
+            try:
+                pb.ModelInferResponse.FromString(call(message, timeout=30))
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()
+                assert code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and e.details(), (
+                    SEED, code, e.details(), pb.ModelInferRequest.FromString(message))
+            seen[code.name] = seen.get(code.name, 0) + 1
+    assert seen.get("OK", 0) > EXAMPLES / 100 and seen.get("INVALID_ARGUMENT", 0) > EXAMPLES / 100, seen
