@@ -7,8 +7,8 @@ under the service's GIL.
 
 A reader reads only what needs no model: /attend's top-level fields (`read_fields`), an inference request's head
 (service.protocols.v2.read_head). The thread checks the rest as it would a parse of its own, so every answer and
-error is the one a decode thread gives. A child that dies or errs is replaced, and its request decoded on the
-thread.
+error is the one a decode thread gives. A child that dies or answers garbage is replaced, and its request decoded
+on the thread; so is one whose reader fails, but that child is kept.
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ class Raised(NamedTuple):
         Exception.__init__(error, self.fields["message"])
         error.__dict__.update(self.fields)
         return error
+
+
+class Failed(NamedTuple):
+    """A reader's own fault (an exception not a ServiceError), by its class's name: the child lives on, the
+    thread decodes the body itself (the same fault there is its 500, as without processes)."""
+
+    kind: str
 
 
 def given(value: Any) -> Any:
@@ -163,6 +170,9 @@ class JsonProcesses:
             raise DeadlineExceeded("the request's deadline passed before its body could be decoded") from None
         try:
             data = child.parse(body, read, until)
+            if data.__class__ is Failed:
+                log.warning("a JSON decode process's reader raised %s; the body is decoded on the thread", data.kind)
+                data = None
         except ServiceError:
             self._idle.put(child)
             raise
@@ -242,6 +252,8 @@ def _serve(sock: socket.socket) -> None:
                 answer = read(body, parser)
             except ServiceError as e:
                 answer = Raised.of(e)
+            except Exception as e:  # a bug that a body finds: one body's, not the process's end
+                answer = Failed(type(e).__name__)
             buffers: list[pickle.PickleBuffer] = []
             text = pickle.dumps(answer, protocol=5, buffer_callback=buffers.append)
             del answer

@@ -174,6 +174,20 @@ def test_a_process_that_dies_is_replaced_and_its_body_decoded_all_the_same(regis
     assert not psutil.pid_exists(processes.pids()[0]) or psutil.Process(processes.pids()[0]).status() == "zombie"
 
 
+def test_a_reader_that_fails_leaves_its_process_serving(caplog):
+    """A reader's own fault (not a ServiceError) is one body's: the thread decodes it, no process is started."""
+    processes = JsonProcesses(1)
+    try:
+        first, body = processes.pids()[0], large(b'{"model": "dot_product", "queries": [[[1, 2]]]}')
+        assert processes.parse(body, partial(read_fields, fields=None, arrays_in={}), None) is None
+        assert "a JSON decode process's reader raised TypeError; the body is decoded on the thread" in caplog.text
+        data = processes.parse(body, _QUERIES, None)
+        assert data["queries"].array.tolist() == [[[1.0, 2.0]]]
+        assert processes.replaced == 0 and processes.pids() == [first] and psutil.Process(first).is_running()
+    finally:
+        processes.close()
+
+
 def test_a_process_past_the_deadline_is_replaced(registry):
     processes = JsonProcesses(1)
     try:

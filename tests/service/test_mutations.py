@@ -135,7 +135,7 @@ def server(repository, tmp_path_factory):
                          ATTEND_LOG_LEVEL="info") as (url, _):
         yield url, f"127.0.0.1:{port}"
     text = log.read_text()
-    for sign in ("Traceback", "Warning", "decode process failed", " 500 "):
+    for sign in ("Traceback", "Warning", "decode process failed", "reader raised", " 500 "):
         assert sign not in text, (SEED, text[-3000:])
 
 
