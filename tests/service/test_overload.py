@@ -165,14 +165,15 @@ def test_headers_beyond_the_limit_get_431_and_are_not_buffered(repository):
 
 
 def test_what_requests_cost_is_budgeted_and_memory_comes_back(repository):
-    """24 bodies of ~10 MB at once, each costing ~70 MB to serve (service.core.cost), under a 160 MiB
-    budget: the ones past it get 503 + Retry-After; the peak stays under the documented bound (idle +
-    1.5 x the budget, docs/reliability.md); and 30 s after, the resident memory is back within 25% of
-    what it was before the burst."""
+    """24 bodies of ~10 MB at once, each costing ~70-90 MB to serve (service.core.cost; a decode process adds
+    its copy of the body), under a 200 MiB budget: two fit even where one is at its peak as the next comes (at
+    160 MiB a CI run once served only the first); the ones past it get 503 + Retry-After; the peak stays
+    under the documented bound (idle + 1.5 x the budget, docs/reliability.md); and 30 s after, the resident
+    memory is back within 25% of what it was before the burst."""
     from tests.load.bodies import json_long
 
     body = json_long(10 * 2**20)
-    budget = 160
+    budget = 200
     with running_service(repository, ATTEND_MAX_INFLIGHT_BYTES=str(budget * 2**20)) as (url, proc):
         assert httpx.post(f"{url}{body.path}", content=body.content, headers=body.headers, timeout=60) \
             .status_code == 200
