@@ -237,7 +237,7 @@ class AttendCodec:
             # The parse in a process (service.protocols.json_process), and the body's copy it reads.
             cost.decoding(json_decode(size, commas, brackets) + size)
             data = processes.parse(body, _IN_PROCESS, getattr(on_thread, "until", None))
-            if data is not None:  # else the process failed (and was replaced): parsed here
+            if data is not None:  # else the process, or its reader, failed: parsed here
                 return decode_parsed(data, body, core.registry, core.limits, brackets), encode_answer
         else:
             cost.decoding(json_decode(size, commas, brackets))

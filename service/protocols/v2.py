@@ -563,7 +563,7 @@ class InferCodec:
             split = _split(headers, body)
         text = body[:split] if split < len(body) else body
         head = None if processes is None else processes.parse(text, read_head, getattr(on_thread, "until", None))
-        if head is None:  # (or the process failed, and was replaced)
+        if head is None:  # (or the process, or its reader, failed)
             head = _head(text)
         request_id = head.get("id")
         if request_id is not None and not isinstance(request_id, str):

@@ -329,7 +329,7 @@ def padded(body: bytes, headers: dict) -> tuple[bytes, dict]:
     pad = b" " * (PRECISE_BODY_BYTES + 1)
     if length is not None and str(length).isdigit() and 0 < int(length) <= len(body):
         return body[:int(length)] + pad + body[int(length):], headers | {
-            "Inference-Header-Content-Length": int(length) + len(pad)}
+            "Inference-Header-Content-Length": str(int(length) + len(pad))}
     return body + pad, headers
 
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from service.core.cost import PRECISE_BODY_BYTES
 from tests.server import free_port, running_service
 from tests.service.test_batching import make_body
+from tests.service.test_json_process import padded
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,6 @@ VALUES = (None, True, False, 0, 1, -1, 7, 1.5, -0.0, 1e39, 2**31, 2**63 - 1, 2**
           {"name": "queries"})
 KEYS = ("extra", "name", "parameters", "shape", "datatype", "data", "id", "outputs", "binary_data", "timeout",
         "valid_lens", "return_weights", "model", "classification")
-PAD = b" " * (PRECISE_BODY_BYTES + 1)
 
 
 def _places(node, at=()):
@@ -98,14 +97,6 @@ def _binary(head) -> tuple[bytes, dict]:
     return text + b"".join(blobs), {"Inference-Header-Content-Length": str(len(text))}
 
 
-def _padded(body: bytes, headers: dict) -> tuple[bytes, dict]:
-    length = headers.get("Inference-Header-Content-Length")
-    if length is None:
-        return body + PAD, headers
-    at = int(length)
-    return body[:at] + PAD + body[at:], {"Inference-Header-Content-Length": str(at + len(PAD))}
-
-
 def cases(count: int, seed: int):
     """(form, path, body, headers): mutated /attend, protocol JSON and protocol binary bodies of every model and
     form of lengths; one in six padded past 1 MiB."""
@@ -123,7 +114,7 @@ def cases(count: int, seed: int):
             path = f"/v2/models/{model}/infer"
             body, headers = _binary(head) if form == "binary" else (json.dumps(head).encode(), {})
         if rng.random() < 1 / 6:
-            body, headers = _padded(body, headers)
+            body, headers = padded(body, headers)
         yield form, path, body, headers | {"content-type": "application/json"}
 
 
